@@ -1,0 +1,3 @@
+"""emapg-megatron: EMA Policy Gradient on Megatron-Core."""
+
+__version__ = "0.1.0"

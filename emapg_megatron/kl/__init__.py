@@ -1,0 +1,62 @@
+"""Single-device per-token KL and f-divergence estimators (the reference maths; no distributed code).
+
+Modules, one concern each:
+
+* :mod:`.sampled`     - sampled estimators K1, K2, K3, K3++, K4, K5 (Table 1, §5.2)
+* :mod:`.topk`        - Top-k KL, Algorithms 1/2 with the ``unbiased`` / ``paper`` / ``none`` tails
+* :mod:`.fdiv`        - sampled Kf++ and Top-k f-divergences (Appendix H) and exact references
+* :mod:`.exact`       - exact per-token KL over the full vocabulary
+* :mod:`.sequence`    - sequence-level KL (eq. 10-12), the WARP / InstructGPT baseline
+* :mod:`.divergences` - the f / g generator functions and zero-mass-safe elementwise terms
+* :mod:`.enumeration` - exact expectations over all sampled tokens (test utility)
+
+Conventions: every function works per token on ``[..., V]`` logits / ``[..., k]`` index sets /
+``[...]`` per-token values and returns ``[...]``; autograd flows into the policy only (anchor and
+sampling log-probs are constants); maths runs in fp32, or fp64 when an input is fp64 (bf16 is
+upcast); ``-inf`` logits (masked vocabulary padding) are safe in values and gradients.
+
+Factoring for the vocab-parallel op: :func:`topk_kl` and :func:`topk_fdiv` are thin wrappers that
+compute ``log_softmax``, gather at q and y, and call :func:`topk_kl_from_gathered` /
+:func:`topk_fdiv_from_gathered`, which only see ``[..., k]`` and ``[...]`` tensors (policy
+log-probs at q and y, anchor log-probs at q and y, the ``y in q`` mask and the importance weight).
+:func:`sampled_kl` already works on per-token log-probs. A vocab-parallel implementation supplies
+those gathered quantities and reuses the per-token maths unchanged. See ``docs/kl_estimators.md``.
+"""
+
+from ._common import check_unique_indices, importance_weight, token_in_topk
+from .divergences import ALL_DIVERGENCES, F_DIVERGENCES, divergence_terms
+from .exact import KL_DIRECTIONS, exact_kl, kl_terms
+from .fdiv import fdiv_exact, sampled_fdiv, topk_fdiv, topk_fdiv_from_gathered
+from .sampled import SAMPLED_ESTIMATOR_DIRECTION, SAMPLED_ESTIMATORS, sampled_kl
+from .sequence import sequence_kl, sequence_kl_loss, sequence_kl_penalized_reward
+from .topk import TOPK_TAILS, topk_kl, topk_kl_from_gathered
+
+__all__ = [
+    # names for CLI choices=
+    "SAMPLED_ESTIMATORS",
+    "SAMPLED_ESTIMATOR_DIRECTION",
+    "TOPK_TAILS",
+    "KL_DIRECTIONS",
+    "F_DIVERGENCES",
+    "ALL_DIVERGENCES",
+    # estimators
+    "sampled_kl",
+    "topk_kl",
+    "topk_kl_from_gathered",
+    "sampled_fdiv",
+    "topk_fdiv",
+    "topk_fdiv_from_gathered",
+    # exact references
+    "exact_kl",
+    "kl_terms",
+    "fdiv_exact",
+    "divergence_terms",
+    # sequence level
+    "sequence_kl",
+    "sequence_kl_loss",
+    "sequence_kl_penalized_reward",
+    # helpers
+    "importance_weight",
+    "check_unique_indices",
+    "token_in_topk",
+]

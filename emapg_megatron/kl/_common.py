@@ -1,0 +1,117 @@
+"""Shared helpers for the KL estimators: dtype policy, stop-gradient, importance weights, index checks.
+
+Everything here is per token and pure torch (no distributed code); a vocab-parallel implementation
+can call these helpers on the gathered per-token quantities unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Tuple
+
+import torch
+
+__all__ = [
+    "IWClip",
+    "compute_dtype",
+    "upcast",
+    "sg",
+    "importance_weight",
+    "check_unique_indices",
+    "token_in_topk",
+    "gather_last",
+]
+
+IWClip = Optional[Tuple[Optional[float], Optional[float]]]
+
+
+def compute_dtype(*tensors: Optional[torch.Tensor]) -> torch.dtype:
+    """The dtype the maths runs in: fp64 if any floating input is fp64, otherwise fp32.
+
+    Half-precision inputs (bf16/fp16) are always upcast; results are returned in this dtype.
+    """
+    for t in tensors:
+        if t is not None and t.dtype == torch.float64:
+            return torch.float64
+    return torch.float32
+
+
+def upcast(t: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """Cast a floating tensor to ``dtype`` (autograd-transparent); ``None`` passes through."""
+    if t is None:
+        return None
+    if not t.is_floating_point():
+        raise TypeError(f"expected a floating-point tensor, got {t.dtype}")
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+def sg(t: torch.Tensor) -> torch.Tensor:
+    """Stop-gradient, the paper's ``sg(.)``."""
+    return t.detach()
+
+
+def importance_weight(
+    logprob: torch.Tensor,
+    sampling_logprob: Optional[torch.Tensor] = None,
+    iw_clip: IWClip = None,
+) -> torch.Tensor:
+    """Off-policy weight ``s = clip(sg(pi_theta(y) / pi_sampling(y)), s_min, s_max)`` per token.
+
+    ``logprob`` is log pi_theta(y) (its gradient is stopped here), ``sampling_logprob`` is
+    log pi_sampling(y). Without ``sampling_logprob`` the sampling is on-policy and s = 1 (still
+    clipped, so a clip range that excludes 1 is honoured). ``iw_clip = (s_min, s_max)``; either bound
+    may be ``None``. With no clip the weight is exact and the corrected estimators stay unbiased
+    under y ~ pi_sampling; clipping trades that for variance (Fig. 9 of the paper).
+    """
+    lp = sg(logprob)
+    if sampling_logprob is None:
+        s = torch.ones_like(lp)
+    else:
+        s = torch.exp(lp - sampling_logprob.to(lp.dtype).detach())
+    if iw_clip is not None:
+        if len(iw_clip) != 2:
+            raise ValueError(f"iw_clip must be (s_min, s_max), got {iw_clip!r}")
+        lo, hi = iw_clip
+        if lo is not None and hi is not None and lo > hi:
+            raise ValueError(f"iw_clip lower bound {lo} exceeds upper bound {hi}")
+        s = s.clamp(min=lo, max=hi)
+    return s
+
+
+def check_unique_indices(topk_index: torch.Tensor) -> None:
+    """Raise ``ValueError`` if any row of ``topk_index`` ([..., k]) holds a repeated vocabulary id.
+
+    A repeated id would count its exact term twice (and mis-mask the tail), silently biasing every
+    estimator. Cost: one sort along k and a neighbour comparison (one host sync).
+    """
+    if topk_index.is_floating_point() or topk_index.dtype == torch.bool:
+        raise TypeError(f"topk_index must be an integer tensor, got {topk_index.dtype}")
+    if topk_index.shape[-1] < 2:
+        return
+    srt = topk_index.sort(dim=-1).values
+    dup = srt[..., 1:] == srt[..., :-1]
+    if bool(dup.any()):
+        n_rows = int(dup.any(dim=-1).sum())
+        raise ValueError(
+            f"topk_index has duplicate vocabulary ids within a row ({n_rows} row(s) affected); "
+            "the index set q must hold k distinct ids"
+        )
+
+
+def token_in_topk(token: torch.Tensor, topk_index: torch.Tensor) -> torch.Tensor:
+    """Boolean ``[...]``: whether the sampled token lies in the index set q (``[..., k]``)."""
+    if topk_index.shape[-1] == 0:
+        return torch.zeros(token.shape, dtype=torch.bool, device=token.device)
+    return (topk_index == token.unsqueeze(-1)).any(dim=-1)
+
+
+def gather_last(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``x[..., index]`` along the last dim; ``index`` is ``[...]`` (one id) or ``[..., k]``."""
+    if index.dim() == x.dim() - 1:
+        return x.gather(-1, index.unsqueeze(-1)).squeeze(-1)
+    return x.gather(-1, index)
+
+
+def _check_name(name: str, valid: Sequence[str], what: str) -> str:
+    if name not in valid:
+        raise ValueError(f"unknown {what} {name!r}; expected one of {tuple(valid)}")
+    return name

@@ -1,0 +1,179 @@
+"""Generator functions of the f-divergences (Appendix H, Table 5) and their stable elementwise terms.
+
+Convention (Appendix H.1): ``D_f(P || Q) = sum_j Q(j) f(t_j)`` with ``t_j = P(j)/Q(j)``, P the policy
+pi_theta and Q the anchor pi_ref. The importance-weighted form is ``D_f = E_{j~P}[g_f(w_j)]`` with
+``w = Q/P = 1/t`` and ``g_f(w) = w f(1/w)`` (eq. 112-113).
+
+Both f and g are written as functions of *log*-ratios (``f_of_log_t(log t)``,
+``g_of_log_w(log w)``), so callers never exponentiate a ratio they do not need.
+
+``divergence_terms(logp, logq, name)`` returns the per-index contribution ``Q f(P/Q)``: it evaluates
+``Q f(t)`` where ``t <= 1`` and the identical ``P g(1/t)`` where ``t > 1``, so the ratio that gets
+exponentiated never exceeds 1; it returns 0 where both P and Q vanish (masked vocabulary padding),
+and the exact limits ``Q f(0)`` / ``P g(0)`` where only one of them vanishes. No NaN leaks into the
+value or (via double-``where``) into the gradient.
+
+The KL directions are the two f-divergences ``reverse_kl`` (f = t log t, KL(P||Q)) and
+``forward_kl`` (f = -log t, KL(Q||P)).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from ._common import _check_name
+
+__all__ = [
+    "F_DIVERGENCES",
+    "ALL_DIVERGENCES",
+    "check_divergence",
+    "f_of_log_t",
+    "g_of_log_w",
+    "f_at_zero",
+    "g_at_zero",
+    "divergence_terms",
+]
+
+#: Table 5 f-divergences (besides the two KLs), valid values for ``divergence=``.
+F_DIVERGENCES = (
+    "pearson_chi2",
+    "neyman_chi2",
+    "squared_hellinger",
+    "jensen_shannon",
+    "total_variation",
+    "alpha",
+)
+#: Everything ``divergence_terms`` / ``topk_fdiv`` understand (the KLs via their f-generators).
+ALL_DIVERGENCES = F_DIVERGENCES + ("reverse_kl", "forward_kl")
+
+_LOG2 = math.log(2.0)
+
+
+def check_divergence(name: str, alpha: Optional[float]) -> None:
+    _check_name(name, ALL_DIVERGENCES, "divergence")
+    if name == "alpha":
+        if alpha is None:
+            raise ValueError("divergence='alpha' needs alpha=")
+        if alpha in (0.0, 1.0):
+            raise ValueError("alpha-divergence needs alpha not in {0, 1} (those limits are the KLs)")
+    elif alpha is not None:
+        raise ValueError(f"alpha= is only used by divergence='alpha', not {name!r}")
+
+
+def f_of_log_t(name: str, lt: torch.Tensor, alpha: Optional[float] = None) -> torch.Tensor:
+    """f(t) evaluated at t = exp(lt), for finite ``lt`` (Table 5, column f(t))."""
+    if name == "reverse_kl":  # t log t
+        return torch.exp(lt) * lt
+    if name == "forward_kl":  # -log t
+        return -lt
+    if name == "pearson_chi2":  # (t - 1)^2
+        return torch.expm1(lt) ** 2
+    if name == "neyman_chi2":  # (t - 1)^2 / t
+        return torch.expm1(lt) ** 2 * torch.exp(-lt)
+    if name == "squared_hellinger":  # 1/2 (sqrt t - 1)^2
+        return 0.5 * torch.expm1(0.5 * lt) ** 2
+    if name == "jensen_shannon":  # 1/2 (t log t - (t + 1) log((t + 1)/2))
+        return 0.5 * (torch.exp(lt) * lt - (torch.exp(lt) + 1.0) * (torch.nn.functional.softplus(lt) - _LOG2))
+    if name == "total_variation":  # 1/2 |t - 1|
+        return 0.5 * torch.expm1(lt).abs()
+    if name == "alpha":  # (t^a - 1 - a (t - 1)) / (a (a - 1))
+        a = float(alpha)
+        return (torch.expm1(a * lt) - a * torch.expm1(lt)) / (a * (a - 1.0))
+    raise ValueError(f"unknown divergence {name!r}")
+
+
+def g_of_log_w(name: str, lw: torch.Tensor, alpha: Optional[float] = None) -> torch.Tensor:
+    """g_f(w) = w f(1/w) evaluated at w = exp(lw), for finite ``lw`` (Table 5, last column / r)."""
+    if name == "reverse_kl":  # -log w
+        return -lw
+    if name == "forward_kl":  # w log w
+        return torch.exp(lw) * lw
+    if name == "pearson_chi2":  # (1 - w)^2 / w
+        return torch.expm1(lw) ** 2 * torch.exp(-lw)
+    if name == "neyman_chi2":  # (1 - w)^2
+        return torch.expm1(lw) ** 2
+    if name == "squared_hellinger":  # 1/2 (1 - sqrt w)^2
+        return 0.5 * torch.expm1(0.5 * lw) ** 2
+    if name == "jensen_shannon":  # 1/2 [-log w - (1 + w) log((1 + w)/(2w))]
+        w = torch.exp(lw)
+        return 0.5 * (-lw - (1.0 + w) * (torch.nn.functional.softplus(lw) - _LOG2 - lw))
+    if name == "total_variation":  # 1/2 |1 - w|
+        return 0.5 * torch.expm1(lw).abs()
+    if name == "alpha":  # (w^(1-a) + (a - 1) w - a) / (a (a - 1))
+        a = float(alpha)
+        return (torch.expm1((1.0 - a) * lw) + (a - 1.0) * torch.expm1(lw)) / (a * (a - 1.0))
+    raise ValueError(f"unknown divergence {name!r}")
+
+
+def f_at_zero(name: str, alpha: Optional[float] = None) -> float:
+    """lim_{t->0+} f(t): the contribution per unit Q of an index the policy gives zero mass."""
+    table = {
+        "reverse_kl": 0.0,
+        "forward_kl": math.inf,
+        "pearson_chi2": 1.0,
+        "neyman_chi2": math.inf,
+        "squared_hellinger": 0.5,
+        "jensen_shannon": 0.5 * _LOG2,
+        "total_variation": 0.5,
+    }
+    if name == "alpha":
+        return 1.0 / alpha if alpha > 0 else math.inf
+    return table[name]
+
+
+def g_at_zero(name: str, alpha: Optional[float] = None) -> float:
+    """lim_{w->0+} g_f(w): the contribution per unit P of an index the anchor gives zero mass."""
+    table = {
+        "reverse_kl": math.inf,
+        "forward_kl": 0.0,
+        "pearson_chi2": math.inf,
+        "neyman_chi2": 1.0,
+        "squared_hellinger": 0.5,
+        "jensen_shannon": 0.5 * _LOG2,
+        "total_variation": 0.5,
+    }
+    if name == "alpha":
+        return 1.0 / (1.0 - alpha) if alpha < 1 else math.inf
+    return table[name]
+
+
+def divergence_terms(
+    logp: torch.Tensor, logq: torch.Tensor, name: str, alpha: Optional[float] = None
+) -> torch.Tensor:
+    """Elementwise ``Q f(P/Q)`` from log-probabilities (same shape, any ``[..., n]``).
+
+    Summing over the full vocabulary gives ``D_f(P || Q)``; summing over an index set gives the
+    truncated term of the Top-k estimators. Gradients flow into ``logp`` (and ``logq`` if it needs
+    them). Zero-mass entries (``-inf`` log-probs) are handled without NaN, see the module docstring.
+    """
+    p_zero = logp == -math.inf
+    q_zero = logq == -math.inf
+    finite = ~(p_zero | q_zero)
+    zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
+    lp = torch.where(finite, logp, zero)
+    lq = torch.where(finite, logq, zero)
+    lt = lp - lq
+    small = finite & (lt <= 0)  # t <= 1: Q f(t)
+    big = finite & (lt > 0)  # t > 1: P g(1/t)
+    lt_small = torch.where(small, lt, zero)
+    lt_big = torch.where(big, lt, zero)
+    term_small = torch.exp(lq) * f_of_log_t(name, lt_small, alpha)
+    term_big = torch.exp(lp) * g_of_log_w(name, -lt_big, alpha)
+    out = torch.where(small, term_small, torch.where(big, term_big, zero))
+    # Exact limits where exactly one side has zero mass: Q f(0) is a constant (the true gradient
+    # through a zero-mass policy entry is 0); P g(0) keeps its gradient through P.
+    only_p_zero = p_zero & ~q_zero
+    only_q_zero = q_zero & ~p_zero
+    fz = f_at_zero(name, alpha)
+    qv = torch.exp(torch.where(only_p_zero, logq, zero)).detach()
+    out = torch.where(only_p_zero, qv * fz, out)
+    gz = g_at_zero(name, alpha)
+    if math.isfinite(gz):
+        pv = torch.exp(torch.where(only_q_zero, logp, zero))
+        out = torch.where(only_q_zero, pv * gz, out)
+    else:
+        out = torch.where(only_q_zero, torch.full_like(out, math.inf), out)
+    return out

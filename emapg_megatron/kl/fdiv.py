@@ -1,0 +1,196 @@
+"""Sampled and Top-k f-divergence estimators (Appendix H, Table 5) and their exact references.
+
+``D_f(pi || ref) = sum_j ref(j) f(pi(j)/ref(j))`` for the generators in
+:data:`~emapg_megatron.kl.divergences.F_DIVERGENCES`:
+
+=====================  =============================================  ===============================
+name                   f(t)                                           sampled Kf++ = r g_f(w)
+=====================  =============================================  ===============================
+``pearson_chi2``       (t - 1)^2                                      r (1 - w)^2 / w
+``neyman_chi2``        (t - 1)^2 / t                                  r (1 - w)^2
+``squared_hellinger``  (sqrt t - 1)^2 / 2                             r (1 - sqrt w)^2 / 2
+``jensen_shannon``     (t log t - (t + 1) log((t + 1)/2)) / 2         r [-log w - (1+w) log((1+w)/(2w))] / 2
+``total_variation``    |t - 1| / 2                                    r |1 - w| / 2
+``alpha``              (t^a - 1 - a (t - 1)) / (a (a - 1)), a != 0,1  r (w^(1-a) + (a-1) w - a) / (a (a-1))
+=====================  =============================================  ===============================
+
+(``reverse_kl`` and ``forward_kl`` are also accepted: f = t log t and f = -log t.)
+
+Kf++ (eq. 115) ``r g_f(w)``, ``w = ref(y)/pi(y)``, has unbiased value *and* gradient under
+y ~ pi_theta, and it carries no baseline, so its masked tail ``1(y not in q) Kf++`` is unbiased in
+gradient as well (eq. 125). Hence :func:`topk_fdiv` = exact truncated f-divergence on q + masked
+Kf++ tail is unbiased in value and gradient for any fixed q and any 0 <= k <= V, exactly as printed
+in Appendix H.3; ``tail="paper"`` is therefore the same estimator as ``"unbiased"`` and accepted for
+symmetry with :func:`~emapg_megatron.kl.topk.topk_kl`. ``tail="none"`` gives the truncated term.
+(Note the KL rows differ from K4/K5: ``divergence="reverse_kl"`` uses ``r (-log w)``, not
+``r sg(-log w)``; it is unbiased but has higher variance than the corrected K4 tail.)
+
+Factoring: :func:`topk_fdiv_from_gathered` needs only ``[..., k]`` / ``[...]`` gathered log-probs,
+like :func:`~emapg_megatron.kl.topk.topk_kl_from_gathered`.
+
+Note on Table 5 of the paper: its f(t) for Neyman chi^2 is printed as ``(t - 1)^2`` (a typo; it is
+``(t - 1)^2 / t``, which is what its sampled column ``r (1 - w)^2`` corresponds to and what
+Tables 9/10 list). Squared Hellinger follows Table 5's 1/2 normalisation (Tables 9/10 omit it).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from ._common import (
+    IWClip,
+    _check_name,
+    check_unique_indices,
+    compute_dtype,
+    gather_last,
+    importance_weight,
+    token_in_topk,
+    upcast,
+)
+from .divergences import (
+    ALL_DIVERGENCES,
+    F_DIVERGENCES,
+    check_divergence,
+    divergence_terms,
+    g_at_zero,
+    g_of_log_w,
+)
+from .topk import TOPK_TAILS
+
+__all__ = [
+    "F_DIVERGENCES",
+    "ALL_DIVERGENCES",
+    "fdiv_exact",
+    "sampled_fdiv",
+    "sampled_fdiv_unweighted",
+    "topk_fdiv",
+    "topk_fdiv_from_gathered",
+]
+
+
+def sampled_fdiv_unweighted(
+    logprob: torch.Tensor, ref_logprob: torch.Tensor, divergence: str, alpha: Optional[float] = None
+) -> torch.Tensor:
+    """Kf++ = r g_f(w) for one sampled token, without the importance weight (same-dtype inputs)."""
+    lp = logprob
+    lr = ref_logprob
+    ref_zero = lr == -math.inf
+    zero = torch.zeros((), dtype=lp.dtype, device=lp.device)
+    lw = torch.where(ref_zero, zero, lr - lp)
+    r = torch.exp(lp - lp.detach())
+    # ref(y) = 0: the exact limit g_f(0) (may be +inf, e.g. reverse KL / Pearson).
+    g = torch.where(ref_zero, torch.full_like(lw, g_at_zero(divergence, alpha)), g_of_log_w(divergence, lw, alpha))
+    return r * g
+
+
+def sampled_fdiv(
+    logprob: torch.Tensor,
+    ref_logprob: torch.Tensor,
+    divergence: str,
+    *,
+    alpha: Optional[float] = None,
+    sampling_logprob: Optional[torch.Tensor] = None,
+    iw_clip: IWClip = None,
+) -> torch.Tensor:
+    """Per-token sampled f-divergence estimate ``s * Kf++(y)`` (eq. 115-116).
+
+    Arguments as :func:`~emapg_megatron.kl.sampled.sampled_kl`; ``divergence`` in
+    :data:`ALL_DIVERGENCES`, ``alpha`` only for ``"alpha"``.
+    """
+    check_divergence(divergence, alpha)
+    dt = compute_dtype(logprob, ref_logprob, sampling_logprob)
+    lp = upcast(logprob, dt)
+    lr = upcast(ref_logprob, dt).detach()
+    est = sampled_fdiv_unweighted(lp, lr, divergence, alpha)
+    if sampling_logprob is None and iw_clip is None:
+        return est
+    return importance_weight(lp, upcast(sampling_logprob, dt), iw_clip) * est
+
+
+def topk_fdiv_from_gathered(
+    logprob_topk: torch.Tensor,
+    logprob_token: torch.Tensor,
+    ref_logprob_topk: torch.Tensor,
+    ref_logprob_token: torch.Tensor,
+    token_in_q: torch.Tensor,
+    *,
+    divergence: str,
+    alpha: Optional[float] = None,
+    tail: str = "unbiased",
+    iw: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Top-k f-divergence from gathered per-token quantities (eq. 120-122); see
+    :func:`~emapg_megatron.kl.topk.topk_kl_from_gathered` for the argument conventions."""
+    check_divergence(divergence, alpha)
+    _check_name(tail, TOPK_TAILS, "Top-k tail")
+    trunc = divergence_terms(logprob_topk, ref_logprob_topk.detach(), divergence, alpha).sum(dim=-1)
+    if tail == "none":
+        return trunc
+    in_tail = ~token_in_q
+    zero = torch.zeros((), dtype=logprob_token.dtype, device=logprob_token.device)
+    lp_y = torch.where(in_tail, logprob_token, zero)
+    lr_y = torch.where(in_tail, ref_logprob_token.detach(), zero)
+    tail_est = sampled_fdiv_unweighted(lp_y, lr_y, divergence, alpha)
+    if iw is not None:
+        tail_est = iw * tail_est
+    return trunc + torch.where(in_tail, tail_est, zero)
+
+
+def topk_fdiv(
+    logits: torch.Tensor,
+    token: torch.Tensor,
+    topk_index: torch.Tensor,
+    ref_logprob_topk: torch.Tensor,
+    ref_logprob_token: torch.Tensor,
+    *,
+    divergence: str,
+    alpha: Optional[float] = None,
+    tail: str = "unbiased",
+    sampling_logprob: Optional[torch.Tensor] = None,
+    iw_clip: IWClip = None,
+) -> torch.Tensor:
+    """Per-token Top-k f-divergence estimate: exact ``sum_{j in q} ref(j) f(pi(j)/ref(j))`` plus
+    ``s 1(y not in q) Kf++(y)``. Arguments as :func:`~emapg_megatron.kl.topk.topk_kl` (``direction``
+    is replaced by ``divergence`` / ``alpha``). Unbiased in value and gradient for any fixed q."""
+    check_divergence(divergence, alpha)
+    _check_name(tail, TOPK_TAILS, "Top-k tail")
+    check_unique_indices(topk_index)
+    dt = compute_dtype(logits, ref_logprob_topk, ref_logprob_token, sampling_logprob)
+    logp = torch.log_softmax(upcast(logits, dt), dim=-1)
+    lp_q = gather_last(logp, topk_index)
+    lp_y = gather_last(logp, token)
+    iw = None
+    if tail != "none" and (sampling_logprob is not None or iw_clip is not None):
+        iw = importance_weight(lp_y, upcast(sampling_logprob, dt), iw_clip)
+    return topk_fdiv_from_gathered(
+        lp_q,
+        lp_y,
+        upcast(ref_logprob_topk, dt),
+        upcast(ref_logprob_token, dt),
+        token_in_topk(token, topk_index),
+        divergence=divergence,
+        alpha=alpha,
+        tail=tail,
+        iw=iw,
+    )
+
+
+def fdiv_exact(
+    logits: torch.Tensor,
+    ref_logprobs_full: torch.Tensor,
+    *,
+    divergence: str,
+    alpha: Optional[float] = None,
+) -> torch.Tensor:
+    """Exact per-token ``D_f(pi || ref) = sum_j ref(j) f(pi(j)/ref(j))`` over the full vocabulary.
+
+    ``logits`` ``[..., V]`` (differentiable), ``ref_logprobs_full`` ``[..., V]`` normalised anchor
+    log-probs. Indices where both have zero mass contribute 0.
+    """
+    check_divergence(divergence, alpha)
+    dt = compute_dtype(logits, ref_logprobs_full)
+    logp = torch.log_softmax(upcast(logits, dt), dim=-1)
+    return divergence_terms(logp, upcast(ref_logprobs_full, dt).detach(), divergence, alpha).sum(dim=-1)

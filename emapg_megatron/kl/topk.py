@@ -1,0 +1,178 @@
+"""Top-k KL estimators (§5.3, Algorithms 1 and 2, Appendix A): exact KL on an index set q plus a
+masked sampled-KL tail, O(k) memory per token.
+
+Estimator (per token; y is the sampled token, q a fixed set of k distinct vocabulary ids, the
+policy's mass on q is ``m = sum_{j in q} pi_theta(j)``, ``s`` the stop-gradient importance weight
+``clip(sg(pi_theta(y)/pi_sampling(y)), s_min, s_max)``)::
+
+    reverse:  sum_{j in q} pi(j) [log pi(j) - log ref(j)]  + s 1(y not in q) K4(y)  [ - (m - sg(m)) ]
+    forward:  sum_{j in q} ref(j) [log ref(j) - log pi(j)] + s 1(y not in q) K5(y)  [ + (m - sg(m)) ]
+
+q comes from the sampling policy for ``reverse`` (Alg. 1; the top-k of pi_old) and from the anchor
+for ``forward`` (Alg. 2; the top-k of pi_ref). Unbiasedness never needs q to be a top-k set, only
+that q does not depend on the sampled token nor on theta.
+
+Tail variants (``tail=``, see :data:`TOPK_TAILS`)
+--------------------------------------------------
+``"unbiased"`` (default)
+    Algorithms 1/2 plus the bracketed correction. The correction has value exactly 0 and gradient
+    ``-grad m`` (reverse) / ``+grad m`` (forward), which makes the expected gradient exact:
+    ``E[value] = KL`` and ``E[grad] = grad KL`` for every 0 <= k <= V.
+``"paper"``
+    Algorithms 1/2 exactly as printed. The value is unbiased but, for 0 < k < V, the expected
+    gradient is biased:
+
+    * reverse (K4 tail): ``E[grad] = grad KL(pi||ref) + grad m``
+    * forward (K5 tail): ``E[grad] = grad KL(ref||pi) - grad m``
+
+    Cause: K4 = r sg(-log w) and K5 = sg(w) log w + log r are the unbiased Kf++ estimators
+    ``r (-log w)`` and ``sg(w) log w`` with a baseline added: K4 drops the gradient
+    ``grad log pi(y)`` of ``-log w``, K5 adds ``grad log pi(y)`` through ``log r``. Over the whole
+    vocabulary ``E_y[grad log pi(y)] = grad 1 = 0``, so the baselines are free; restricted to the
+    tail, ``E_y[1(y not in q) grad log pi(y)] = grad (1 - m) = -grad m``, which is exactly the bias
+    above (with opposite signs for the dropped / added baseline). At k = 0 (m = 0) and k = V
+    (m = 1) the bias vanishes. The ``"unbiased"`` tail keeps the low-variance baselines and removes
+    their tail-restricted mean deterministically through ``m``.
+``"none"``
+    Truncated KL: the exact term on q only, no tail and no importance weight. Biased in value and
+    gradient (it omits the tail), zero variance; the reference's ``kl_use_tail_sampling=false``.
+
+Special cases: k = 0 (``topk_index`` of shape ``[..., 0]``) gives the sampled estimator (K4 for
+reverse, K5 for forward, times s); k = V gives the exact KL, value and gradient, for every token.
+
+Factoring for a vocab-parallel implementation
+---------------------------------------------
+:func:`topk_kl` only (1) takes ``log_softmax`` of the logits, (2) gathers the policy log-probs at q
+and at y, (3) checks whether y is in q and computes the importance weight, and then calls
+:func:`topk_kl_from_gathered`, which is pure per-token maths on ``[..., k]`` and ``[...]`` tensors and
+never sees the vocabulary. A vocab-parallel op provides the same gathered quantities (with its own
+distributed log-softmax / gather autograd) and calls :func:`topk_kl_from_gathered` unchanged; the
+mass m is ``exp(logprob_topk).sum(-1)``, so it needs no extra reduction. The same holds for
+:func:`emapg_megatron.kl.fdiv.topk_fdiv_from_gathered`.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ._common import (
+    IWClip,
+    _check_name,
+    check_unique_indices,
+    compute_dtype,
+    gather_last,
+    importance_weight,
+    sg,
+    token_in_topk,
+    upcast,
+)
+from .exact import KL_DIRECTIONS, kl_terms
+from .sampled import sampled_kl_unweighted
+
+__all__ = ["TOPK_TAILS", "topk_kl", "topk_kl_from_gathered"]
+
+#: Valid ``tail`` values: the corrected estimator, Algorithms 1/2 as printed, truncated KL.
+TOPK_TAILS = ("unbiased", "paper", "none")
+
+_TAIL_ESTIMATOR = {"reverse": "k4", "forward": "k5"}
+
+
+def topk_kl_from_gathered(
+    logprob_topk: torch.Tensor,
+    logprob_token: torch.Tensor,
+    ref_logprob_topk: torch.Tensor,
+    ref_logprob_token: torch.Tensor,
+    token_in_q: torch.Tensor,
+    *,
+    direction: str,
+    tail: str = "unbiased",
+    iw: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Top-k KL from per-token gathered quantities (no vocabulary dimension).
+
+    Args:
+        logprob_topk: ``[..., k]`` log pi_theta at q (differentiable).
+        logprob_token: ``[...]`` log pi_theta(y) (differentiable).
+        ref_logprob_topk: ``[..., k]`` log pi_ref at q.
+        ref_logprob_token: ``[...]`` log pi_ref(y).
+        token_in_q: ``[...]`` bool, whether y is in q.
+        direction: ``"reverse"`` or ``"forward"``.
+        tail: one of :data:`TOPK_TAILS`.
+        iw: ``[...]`` importance weight s (already stop-gradient and clipped), ``None`` for s = 1.
+
+    All floating inputs must share one dtype (the compute dtype). Returns ``[...]``.
+    """
+    _check_name(direction, KL_DIRECTIONS, "KL direction")
+    _check_name(tail, TOPK_TAILS, "Top-k tail")
+    ref_q = ref_logprob_topk.detach()
+    trunc = kl_terms(logprob_topk, ref_q, direction).sum(dim=-1)
+    if tail == "none":
+        return trunc
+    # Masked sampled tail; inputs zeroed where y is in q so no inf/NaN reaches the gradient.
+    in_tail = ~token_in_q
+    zero = torch.zeros((), dtype=logprob_token.dtype, device=logprob_token.device)
+    lp_y = torch.where(in_tail, logprob_token, zero)
+    lr_y = torch.where(in_tail, ref_logprob_token.detach(), zero)
+    tail_est = sampled_kl_unweighted(lp_y, lr_y, _TAIL_ESTIMATOR[direction])
+    if iw is not None:
+        tail_est = iw * tail_est
+    out = trunc + torch.where(in_tail, tail_est, zero)
+    if tail == "unbiased" and logprob_topk.shape[-1] > 0:
+        m = torch.exp(logprob_topk).sum(dim=-1)
+        fix = m - sg(m)  # value 0, gradient grad m
+        out = out - fix if direction == "reverse" else out + fix
+    return out
+
+
+def topk_kl(
+    logits: torch.Tensor,
+    token: torch.Tensor,
+    topk_index: torch.Tensor,
+    ref_logprob_topk: torch.Tensor,
+    ref_logprob_token: torch.Tensor,
+    *,
+    direction: str,
+    tail: str = "unbiased",
+    sampling_logprob: Optional[torch.Tensor] = None,
+    iw_clip: IWClip = None,
+) -> torch.Tensor:
+    """Per-token Top-k KL estimate (Algorithms 1/2 with the tail variant ``tail``).
+
+    Args:
+        logits: ``[..., V]`` policy logits, differentiable (bf16 is upcast to fp32; -inf allowed
+            for masked vocabulary entries, which must then not be sampled).
+        token: ``[...]`` sampled token ids y.
+        topk_index: ``[..., k]`` index set q, k distinct ids per row (``ValueError`` otherwise);
+            from the sampling policy for ``reverse``, from the anchor for ``forward``. k may be 0.
+        ref_logprob_topk: ``[..., k]`` anchor log-probs at q (constant).
+        ref_logprob_token: ``[...]`` anchor log-prob at y (constant).
+        direction: ``"reverse"`` for KL(pi||ref), ``"forward"`` for KL(ref||pi).
+        tail: ``"unbiased"`` (default), ``"paper"`` or ``"none"``; see the module docstring.
+        sampling_logprob: ``[...]`` log pi_sampling(y) for the off-policy weight; ``None`` = on-policy.
+        iw_clip: ``(s_min, s_max)`` clip of the importance weight; ``None`` = unclipped.
+
+    Returns:
+        ``[...]`` estimate in the compute dtype (fp32, or fp64 for fp64 inputs).
+    """
+    _check_name(direction, KL_DIRECTIONS, "KL direction")
+    _check_name(tail, TOPK_TAILS, "Top-k tail")
+    check_unique_indices(topk_index)
+    dt = compute_dtype(logits, ref_logprob_topk, ref_logprob_token, sampling_logprob)
+    logp = torch.log_softmax(upcast(logits, dt), dim=-1)
+    lp_q = gather_last(logp, topk_index)
+    lp_y = gather_last(logp, token)
+    iw = None
+    if tail != "none" and (sampling_logprob is not None or iw_clip is not None):
+        iw = importance_weight(lp_y, upcast(sampling_logprob, dt), iw_clip)
+    return topk_kl_from_gathered(
+        lp_q,
+        lp_y,
+        upcast(ref_logprob_topk, dt),
+        upcast(ref_logprob_token, dt),
+        token_in_topk(token, topk_index),
+        direction=direction,
+        tail=tail,
+        iw=iw,
+    )

@@ -1,0 +1,164 @@
+"""Run Megatron-Core on CPU by mapping its CUDA device requests to the CPU.
+
+Megatron-Core assumes CUDA: it allocates with ``device="cuda"`` or
+``torch.cuda.current_device()``, moves tensors with ``.cuda()``, forks the CUDA
+RNG for tensor-parallel dropout, and checks ``Tensor.type()`` against
+``"torch.cuda.FloatTensor"`` in the optimizers and grad clipping. On a machine
+without a GPU we keep all of that code running unchanged and redirect it:
+
+* :class:`CudaToCpuMode`, a ``TorchFunctionMode``, rewrites every ``device=``
+  argument and ``Tensor.cuda()`` / ``Tensor.to("cuda")`` to the CPU, and
+  reports CPU tensors' ``type()`` under their CUDA names.
+* :func:`install` patches the few ``torch.cuda`` functions that do not go
+  through torch functions: the current device, the RNG state (mapped to the
+  CPU generator, so Megatron's RNG tracker forks the generator dropout really
+  uses), synchronisation and streams (no-ops on CPU).
+
+This is a platform layer, not a mock: the real Megatron kernels, collectives
+(gloo) and optimizers run. It is installed only when CPU mode is requested.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_CPU = torch.device("cpu")
+_installed = False
+
+
+def _is_cuda(device) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    # Megatron passes torch.cuda.current_device() (an int) as a device.
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+def _map_device(device):
+    return _CPU if _is_cuda(device) else device
+
+
+class CudaToCpuMode(TorchFunctionMode):
+    """Rewrites CUDA device requests made through torch functions to the CPU."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            # Megatron asserts 'torch.cuda.FloatTensor' etc.
+            return func(*args).replace("torch.", "torch.cuda.", 1)
+        if "device" in kwargs:
+            kwargs["device"] = _map_device(kwargs["device"])
+        if func in (torch.Tensor.to, torch.Tensor.new_empty) and len(args) > 1:
+            args = (args[0], _map_device(args[1])) + tuple(args[2:])
+        return func(*args, **kwargs)
+
+
+def _cpu_rng_state(device=None):
+    return torch.get_rng_state()
+
+
+def _set_cpu_rng_state(new_state, device=None, graph_safe=False):
+    torch.set_rng_state(new_state)
+
+
+def _patch_torch_cuda():
+    cuda = torch.cuda
+    cuda.current_device = lambda: 0
+    cuda.set_device = lambda device: None
+    cuda.device_count = lambda: 1
+    cuda.synchronize = lambda device=None: None
+    cuda.empty_cache = lambda: None
+    cuda.get_rng_state = _cpu_rng_state
+    cuda.set_rng_state = _set_cpu_rng_state
+    cuda.random.get_rng_state = _cpu_rng_state
+    cuda.random.set_rng_state = _set_cpu_rng_state
+    # torch.manual_seed itself calls cuda.manual_seed_all: seed the CPU generator directly.
+    cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
+    cuda.manual_seed_all = lambda seed: None
+    cuda.current_stream = lambda device=None: _NullStream()
+    cuda.default_stream = lambda device=None: _NullStream()
+    cuda.stream = lambda stream=None: contextlib.nullcontext()
+    cuda.Stream = _NullStream
+    cuda.Event = _NullEvent
+    cuda.memory_allocated = lambda device=None: 0
+    cuda.max_memory_allocated = lambda device=None: 0
+
+
+def _patch_megatron_rng():
+    # Megatron's tracker reads and writes the CUDA generator directly.
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: (
+        torch.get_rng_state()
+    )
+    mrandom._set_cuda_rng_state = _set_cpu_rng_state
+    # The tracker warns when the CPU state changes inside a fork; on CPU that is the point.
+    logging.getLogger(mrandom.__name__).addFilter(
+        lambda record: "CPU RNG state changed" not in record.getMessage()
+    )
+
+
+class _NullStream:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, other):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def record_event(self, event=None):
+        return _NullEvent()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class _NullEvent:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, stream=None):
+        pass
+
+    def wait(self, stream=None):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, other):
+        return 0.0
+
+
+def install() -> None:
+    """Map CUDA to CPU for the rest of this process (idempotent)."""
+    global _installed
+    if _installed:
+        return
+    _patch_torch_cuda()
+    _patch_megatron_rng()
+    CudaToCpuMode().__enter__()  # stays active for the process lifetime
+    _installed = True
+
+
+def installed() -> bool:
+    return _installed
+

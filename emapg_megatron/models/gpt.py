@@ -1,0 +1,209 @@
+"""Build a Megatron-Core ``GPTModel`` for Llama / Qwen style architectures.
+
+:class:`ModelConfig` holds the architecture in Hugging Face terms (so it maps
+1:1 onto ``config.json`` of Llama, Qwen2/2.5 and Qwen3), :func:`transformer_config`
+turns it into Megatron's ``TransformerConfig`` and :func:`build_gpt_model`
+builds the local shard for this rank's TP/PP position.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import asdict, dataclass, field, fields
+
+import torch
+import torch.nn.functional as F
+
+from emapg_megatron.runtime import ConfigError
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 128
+    hidden_size: int = 64
+    ffn_hidden_size: int = 128
+    num_layers: int = 2
+    num_attention_heads: int = 4
+    num_query_groups: int | None = None  # GQA: HF num_key_value_heads
+    kv_channels: int | None = None  # HF head_dim
+    max_position_embeddings: int = 256
+    rotary_base: float = 10000.0
+    norm_epsilon: float = 1e-6
+    add_qkv_bias: bool = False  # Qwen2 / Qwen2.5
+    qk_layernorm: bool = False  # Qwen3
+    tie_word_embeddings: bool = False
+    make_vocab_size_divisible_by: int = 128
+    init_method_std: float = 0.02
+    extra: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        names = {f.name for f in fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise ConfigError(f"unknown model config keys: {sorted(unknown)}")
+        return cls(**d)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def padded_vocab_size(self, tp: int) -> int:
+        """Megatron pads the vocabulary to a multiple of divisible_by x TP."""
+        multiple = self.make_vocab_size_divisible_by * tp
+        return -(-self.vocab_size // multiple) * multiple
+
+    def validate(self, tp: int = 1, pp: int = 1) -> None:
+        groups = self.num_query_groups or self.num_attention_heads
+        if self.hidden_size % self.num_attention_heads != 0 and self.kv_channels is None:
+            raise ConfigError(
+                f"hidden size {self.hidden_size} is not divisible by {self.num_attention_heads} heads"
+            )
+        if self.num_attention_heads % groups != 0:
+            raise ConfigError(
+                f"{self.num_attention_heads} attention heads are not divisible into {groups} groups"
+            )
+        if self.num_attention_heads % tp != 0:
+            raise ConfigError(
+                f"--tensor-model-parallel-size {tp} does not divide the number of attention heads "
+                f"({self.num_attention_heads})"
+            )
+        if groups % tp != 0:
+            raise ConfigError(
+                f"--tensor-model-parallel-size {tp} does not divide the number of query groups ({groups})"
+            )
+        if self.num_layers % pp != 0:
+            raise ConfigError(
+                f"--pipeline-model-parallel-size {pp} does not divide the number of layers "
+                f"({self.num_layers})"
+            )
+
+
+@dataclass
+class PrecisionConfig:
+    bf16: bool = False
+    fp8_format: str | None = None  # e4m3 | hybrid
+    fp8_recipe: str = "delayed"  # delayed | tensorwise | blockwise
+
+    def params_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.bf16 else torch.float32
+
+
+def te_available() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def use_transformer_engine(device_type: str) -> bool:
+    return device_type == "cuda" and te_available()
+
+
+def validate_precision(prec: PrecisionConfig, device_type: str) -> None:
+    if prec.fp8_format is None:
+        return
+    if prec.fp8_format not in ("e4m3", "hybrid"):
+        raise ConfigError(f"--fp8-format must be e4m3 or hybrid (got {prec.fp8_format!r})")
+    if prec.fp8_recipe not in ("delayed", "tensorwise", "blockwise"):
+        raise ConfigError(
+            f"--fp8-recipe must be delayed, tensorwise or blockwise (got {prec.fp8_recipe!r})"
+        )
+    if device_type != "cuda":
+        raise ConfigError("FP8 needs a GPU with Transformer Engine; it cannot run in CPU mode")
+    if not te_available():
+        raise ConfigError(
+            "FP8 needs Transformer Engine: pip install 'emapg-megatron[gpu]' or use the NGC image"
+        )
+    major, _ = torch.cuda.get_device_capability()
+    if major < 9:
+        raise ConfigError("FP8 needs a Hopper (sm90) or newer GPU")
+
+
+def transformer_config(cfg: ModelConfig, tp: int, pp: int, prec: PrecisionConfig | None = None,
+                       *, sequence_parallel: bool = False):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    prec = prec or PrecisionConfig()
+    kwargs = {}
+    if prec.fp8_format is not None:
+        kwargs.update(fp8=prec.fp8_format, fp8_recipe=prec.fp8_recipe)
+    return TransformerConfig(
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        ffn_hidden_size=cfg.ffn_hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        num_query_groups=cfg.num_query_groups,
+        kv_channels=cfg.kv_channels,
+        normalization="RMSNorm",
+        layernorm_epsilon=cfg.norm_epsilon,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=cfg.add_qkv_bias,
+        qk_layernorm=cfg.qk_layernorm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=cfg.init_method_std,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        sequence_parallel=sequence_parallel and tp > 1,
+        bf16=prec.bf16,
+        params_dtype=prec.params_dtype(),
+        pipeline_dtype=prec.params_dtype(),
+        autocast_dtype=prec.params_dtype(),
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        **kwargs,
+    )
+
+
+def layer_spec(cfg: ModelConfig, device_type: str):
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    if use_transformer_engine(device_type):
+        return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=cfg.qk_layernorm)
+    return specs.get_gpt_layer_local_spec(qk_layernorm=cfg.qk_layernorm, normalization="RMSNorm")
+
+
+def build_gpt_model(cfg: ModelConfig, *, tp: int = 1, pp: int = 1, pre_process: bool = True,
+                    post_process: bool = True, prec: PrecisionConfig | None = None,
+                    device_type: str = "cpu", vp_stage: int | None = None):
+    """Build this rank's shard of the model (call after :func:`emapg_megatron.runtime.initialize`)."""
+    from megatron.core.models.gpt import GPTModel
+
+    prec = prec or PrecisionConfig()
+    cfg.validate(tp, pp)
+    validate_precision(prec, device_type)
+    tcfg = transformer_config(cfg, tp, pp, prec)
+    model = GPTModel(
+        config=tcfg,
+        transformer_layer_spec=layer_spec(cfg, device_type),
+        vocab_size=cfg.padded_vocab_size(tp),
+        max_sequence_length=cfg.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=cfg.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(cfg.rotary_base),
+        vp_stage=vp_stage,
+    )
+    return model
+
+
+def build_for_this_rank(cfg: ModelConfig, prec: PrecisionConfig | None = None):
+    """Build the model for the current parallel_state position."""
+    from megatron.core import parallel_state as ps
+
+    from emapg_megatron import runtime
+
+    return build_gpt_model(
+        cfg,
+        tp=ps.get_tensor_model_parallel_world_size(),
+        pp=ps.get_pipeline_model_parallel_world_size(),
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+        prec=prec,
+        device_type=runtime.device().type,
+    )

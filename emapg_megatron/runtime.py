@@ -1,0 +1,121 @@
+"""Distributed runtime: torch.distributed, Megatron parallel_state, seeding, CPU mode.
+
+One call, :func:`initialize`, brings a process from ``torchrun`` (or the test
+harness) to a state where Megatron-Core models can be built: the process group
+is up, TP/PP/DP groups exist and the model-parallel RNG is seeded. On a machine
+without a GPU (or with ``device="cpu"``) it first installs
+:mod:`emapg_megatron.cpu_device` and uses gloo.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+class ConfigError(ValueError):
+    """A user error in the configuration: reported as one line, without a traceback."""
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    device: str = "auto"  # auto | cpu | cuda
+    backend: str = "auto"  # auto | gloo | nccl
+    seed: int = 1234
+    timeout_minutes: int = 30
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def resolved_backend(self) -> str:
+        if self.backend != "auto":
+            return self.backend
+        return "nccl" if self.resolved_device() == "cuda" else "gloo"
+
+    def data_parallel_size(self, world_size: int) -> int:
+        return world_size // (self.tensor_model_parallel_size * self.pipeline_model_parallel_size)
+
+
+def validate_parallel(cfg: ParallelConfig, world_size: int) -> None:
+    """Check the parallel layout before any work starts. Raises :class:`ConfigError`.
+
+    Model-shape checks (heads, groups, layers against TP/PP) live in
+    :meth:`emapg_megatron.models.gpt.ModelConfig.validate`.
+    """
+    tp, pp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
+    if tp < 1 or pp < 1:
+        raise ConfigError(f"parallel sizes must be >= 1 (got TP={tp}, PP={pp})")
+    if cfg.device not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"--device must be auto, cpu or cuda (got {cfg.device!r})")
+    if cfg.backend not in ("auto", "gloo", "nccl"):
+        raise ConfigError(f"--distributed-backend must be auto, gloo or nccl (got {cfg.backend!r})")
+    device, backend = cfg.resolved_device(), cfg.resolved_backend()
+    if device == "cpu" and backend == "nccl":
+        raise ConfigError("CPU mode cannot use the nccl backend: use --distributed-backend gloo")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda requested but no GPU is visible")
+    if world_size % (tp * pp) != 0:
+        raise ConfigError(
+            f"world size {world_size} is not TP x PP x DP: TP={tp} x PP={pp} does not divide it"
+        )
+
+
+def _env_int(name: str, default: int) -> int:
+    return int(os.environ.get(name, default))
+
+
+def initialize(cfg: ParallelConfig) -> None:
+    """Initialise torch.distributed (from torchrun's env vars) and Megatron's parallel_state."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    world_size = _env_int("WORLD_SIZE", 1)
+    validate_parallel(cfg, world_size)
+    device, backend = cfg.resolved_device(), cfg.resolved_backend()
+    if device == "cpu":
+        from emapg_megatron import cpu_device
+
+        cpu_device.install()
+    else:
+        torch.cuda.set_device(_env_int("LOCAL_RANK", 0))
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+        dist.init_process_group(
+            backend=backend,
+            world_size=world_size,
+            rank=_env_int("RANK", 0),
+            timeout=datetime.timedelta(minutes=cfg.timeout_minutes),
+        )
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=cfg.tensor_model_parallel_size,
+        pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
+        create_gloo_process_groups=backend == "gloo",
+    )
+    torch.manual_seed(cfg.seed)
+    model_parallel_cuda_manual_seed(cfg.seed)
+
+
+def destroy() -> None:
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def device() -> torch.device:
+    """The device model tensors live on (CPU in CPU mode)."""
+    from emapg_megatron import cpu_device
+
+    if cpu_device.installed() or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())

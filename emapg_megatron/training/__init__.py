@@ -1,0 +1,1 @@
+"""Megatron training machinery shared by the trainer, the tests and the tools."""

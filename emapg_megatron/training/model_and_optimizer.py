@@ -1,0 +1,88 @@
+"""Wrap this rank's GPTModel in Megatron DDP and build the Megatron optimizer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from emapg_megatron.models.gpt import ModelConfig, PrecisionConfig, build_for_this_rank
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    use_distributed_optimizer: bool = False
+
+
+def wrap_ddp(model, *, use_distributed_optimizer: bool):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=use_distributed_optimizer,
+        average_in_collective=False,
+    )
+    return DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
+
+
+def build_optimizer(model_chunks: list, optim: OptimConfig, prec: PrecisionConfig):
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    config = OptimizerConfig(
+        optimizer="adam",
+        lr=optim.lr,
+        min_lr=optim.min_lr,
+        weight_decay=optim.weight_decay,
+        adam_beta1=optim.adam_beta1,
+        adam_beta2=optim.adam_beta2,
+        adam_eps=optim.adam_eps,
+        clip_grad=optim.clip_grad,
+        bf16=prec.bf16,
+        params_dtype=prec.params_dtype(),
+        use_distributed_optimizer=optim.use_distributed_optimizer,
+    )
+    return get_megatron_optimizer(config, model_chunks)
+
+
+def build_model_and_optimizer(cfg: ModelConfig, optim: OptimConfig, prec: PrecisionConfig | None = None):
+    """Returns ``([ddp_model], optimizer)`` for this rank's TP/PP/DP position."""
+    prec = prec or PrecisionConfig()
+    model = build_for_this_rank(cfg, prec)
+    if prec.bf16:
+        from megatron.core.transformer.module import Float16Module
+
+        model = Float16Module(model.config, model)  # casts weights and activations to bf16
+    model = wrap_ddp(model, use_distributed_optimizer=optim.use_distributed_optimizer)
+    return [model], build_optimizer([model], optim, prec)
+
+
+def unwrap(model):
+    """The GPTModel inside DDP (and Float16Module) wrappers."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def zero_grads(model_chunks, optimizer) -> None:
+    for chunk in model_chunks:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+
+
+@torch.no_grad()
+def global_param_name(gpt_model, name: str) -> str:
+    """Rename local ``decoder.layers.i.`` to the global layer index (PP-stage independent)."""
+    prefix = "decoder.layers."
+    if not name.startswith(prefix):
+        return name
+    local, rest = name[len(prefix):].split(".", 1)
+    global_index = gpt_model.decoder.layers[int(local)].layer_number - 1
+    return f"{prefix}{global_index}.{rest}"

@@ -1,0 +1,38 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="emapg-megatron",
+    version="0.1.0",
+    description="EMA Policy Gradient (EMA-PG) on Megatron-Core: vocab-parallel Top-k KL, fp32 EMA anchor, GRPO trainer",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["emapg_megatron", "emapg_megatron.*"]),
+    package_data={"emapg_megatron": ["presets/*.yaml"]},
+    install_requires=[
+        "megatron-core==0.16.1",
+        "torch>=2.6",
+        "numpy",
+        "datasets",
+        "safetensors",
+        "transformers",
+        "tensorboard",
+        "pyyaml",
+        "psutil",  # megatron-core's dist_checkpointing writer needs it
+        "matplotlib",  # PNG training curves
+        "tqdm",
+    ],
+    extras_require={
+        "test": ["pytest", "pytest-timeout", "hypothesis"],
+        "math": ["math-verify"],
+        "search": ["bm25s"],
+        "gpu": ["transformer-engine[pytorch]", "vllm"],
+    },
+    entry_points={
+        "console_scripts": [
+            "emapg-train=emapg_megatron.train:main",
+            "emapg-convert=emapg_megatron.checkpoint.cli:main",
+            "emapg-evaluate=emapg_megatron.evaluate:main",
+        ]
+    },
+)

@@ -102,7 +102,8 @@ def foundation_run(ckpt_dir: str, save: bool, dist_opt: bool = False):
     micro = [batch(s, n=2) for s in range(1, 5)]
     mine = micro[dp_rank * len(micro) // dp:(dp_rank + 1) * len(micro) // dp]
     result["params_before"] = params_by_global_name(chunks[0])
-    result["optimizer"] = type(opt).__name__
+    inner = getattr(opt, "chained_optimizers", [opt])
+    result["optimizer"] = sorted({type(o).__name__ for o in inner})
     zero_grads(chunks, opt)
     losses = run_schedule(chunks, mine)
     chunks[0].finish_grad_sync()

@@ -44,7 +44,7 @@ class ParallelConfig:
         return world_size // (self.tensor_model_parallel_size * self.pipeline_model_parallel_size)
 
 
-def validate_parallel(cfg: ParallelConfig, world_size: int) -> None:
+def validate_parallel(cfg: ParallelConfig, world_size: int, *, check_devices: bool = True) -> None:
     """Check the parallel layout before any work starts. Raises :class:`ConfigError`.
 
     Model-shape checks (heads, groups, layers against TP/PP) live in
@@ -58,9 +58,11 @@ def validate_parallel(cfg: ParallelConfig, world_size: int) -> None:
     if cfg.backend not in ("auto", "gloo", "nccl"):
         raise ConfigError(f"--distributed-backend must be auto, gloo or nccl (got {cfg.backend!r})")
     device, backend = cfg.resolved_device(), cfg.resolved_backend()
+    if not check_devices and cfg.device == "cuda" and cfg.backend == "auto":
+        backend = "nccl"  # a dry run on a CPU machine of a GPU launch
     if device == "cpu" and backend == "nccl":
         raise ConfigError("CPU mode cannot use the nccl backend: use --distributed-backend gloo")
-    if device == "cuda" and not torch.cuda.is_available():
+    if check_devices and device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda requested but no GPU is visible")
     if world_size % (tp * pp) != 0:
         raise ConfigError(

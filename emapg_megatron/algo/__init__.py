@@ -1,0 +1,1 @@
+"""RL algorithm pieces: advantages and the PPO-clip + KL policy loss (no Megatron here)."""

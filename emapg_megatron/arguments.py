@@ -1,0 +1,282 @@
+"""Command line of the trainer: Megatron-LM flag names, YAML configs, presets, validation.
+
+Precedence: built-in defaults < ``--preset`` < ``--config FILE.yaml`` < the command line.
+YAML keys are flag names without dashes, with ``-`` or ``_`` (``kl-coef`` or ``kl_coef``).
+Everything is validated by :func:`validate` before any process group or model exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from importlib import resources
+
+import yaml
+
+from emapg_megatron.kl import F_DIVERGENCES, KL_DIRECTIONS, SAMPLED_ESTIMATORS, TOPK_TAILS
+from emapg_megatron.runtime import ConfigError
+
+TOPK_KL_TYPES = tuple(f"topk-{d}" for d in KL_DIRECTIONS)
+KL_LOSS_TYPES = SAMPLED_ESTIMATORS + TOPK_KL_TYPES + tuple(f"topk-{f}" for f in F_DIVERGENCES)
+TASKS = ("synthetic-copy", "math", "search")
+PRESETS_PACKAGE = "emapg_megatron.presets"
+
+
+def _groups(p: argparse.ArgumentParser):
+    return {name: p.add_argument_group(name) for name in (
+        "run", "parallel", "model", "precision", "optimization", "checkpointing", "logging",
+        "rollout", "grpo", "kl", "ema")}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="emapg-train",
+        description="EMA Policy Gradient / GRPO on Megatron-Core. Launch with "
+                    "`torchrun --nproc_per_node N -m emapg_megatron.train ...`.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    g = _groups(p)
+    a = g["run"].add_argument
+    a("--preset", default=None, help="named configuration shipped with the package, e.g. tiny-cpu")
+    a("--config", default=None, help="YAML file supplying any flag; the command line overrides it")
+    a("--dry-run", action="store_true",
+      help="validate everything, print the resolved config and the parallel layout, then exit")
+    a("--world-size", type=int, default=None,
+      help="world size to validate a --dry-run against (default: $WORLD_SIZE or 1)")
+    a("--task", default="synthetic-copy", choices=TASKS, help="RL task providing prompts and rewards")
+    a("--data-path", default=None, help="local parquet/jsonl training data (math and search tasks)")
+    a("--seed", type=int, default=1234, help="random seed for weights, data order and sampling")
+    a("--train-iters", type=int, default=100,
+      help="total trainer steps; a run resumed with --load continues up to this total")
+    a("--max-skipped-steps", type=int, default=10,
+      help="stop after this many steps skipped for a NaN/inf loss or gradient")
+
+    a = g["parallel"].add_argument
+    a("--tensor-model-parallel-size", type=int, default=1, help="TP degree (vocab-sharded logits)")
+    a("--pipeline-model-parallel-size", type=int, default=1, help="PP degree")
+    a("--use-distributed-optimizer", action="store_true",
+      help="shard optimizer state and fp32 main params across data-parallel ranks")
+    a("--device", default="auto", choices=("auto", "cpu", "cuda"),
+      help="cpu runs Megatron-Core on the CPU with gloo; auto picks cuda when a GPU is visible")
+    a("--distributed-backend", default="auto", choices=("auto", "gloo", "nccl"),
+      help="torch.distributed backend; auto = nccl on GPU, gloo on CPU")
+    a("--distributed-timeout-minutes", type=int, default=30, help="collective timeout")
+
+    a = g["model"].add_argument
+    a("--num-layers", type=int, default=2, help="transformer layers")
+    a("--hidden-size", type=int, default=64, help="model width")
+    a("--ffn-hidden-size", type=int, default=128, help="SwiGLU inner width")
+    a("--num-attention-heads", type=int, default=4, help="query heads")
+    a("--num-query-groups", type=int, default=None, help="key/value heads (GQA); default = heads")
+    a("--kv-channels", type=int, default=None, help="head dim; default hidden/heads")
+    a("--max-position-embeddings", type=int, default=256, help="RoPE table length")
+    a("--seq-length", type=int, default=64, help="maximum prompt + response length in tokens")
+    a("--rotary-base", type=float, default=10000.0, help="RoPE base")
+    a("--norm-epsilon", type=float, default=1e-6, help="RMSNorm epsilon")
+    a("--add-qkv-bias", action="store_true", help="bias on the fused QKV projection (Qwen2)")
+    a("--qk-layernorm", action="store_true", help="RMSNorm on queries and keys (Qwen3)")
+    a("--untie-embeddings-and-output-weights", action="store_true",
+      help="separate output layer instead of the tied input embedding")
+    a("--make-vocab-size-divisible-by", type=int, default=128,
+      help="pad the vocabulary to a multiple of this x TP")
+    a("--init-method-std", type=float, default=0.02, help="weight init std (random init only)")
+    a("--load-hf", default=None,
+      help="initialise weights, model shape and tokenizer from a Hugging Face checkpoint directory")
+    a("--pretrained-checkpoint", default=None,
+      help="initialise weights from a Megatron dist checkpoint (e.g. from emapg-convert), any TP/PP")
+
+    a = g["precision"].add_argument
+    a("--bf16", action="store_true", help="bf16 weights and activations, fp32 main params")
+    a("--fp8-format", default=None, choices=("e4m3", "hybrid"), help="FP8 via Transformer Engine")
+    a("--fp8-recipe", default="delayed", choices=("delayed", "tensorwise", "blockwise"),
+      help="FP8 scaling recipe")
+
+    a = g["optimization"].add_argument
+    a("--lr", type=float, default=1e-6, help="peak learning rate")
+    a("--min-lr", type=float, default=0.0, help="final learning rate of the decay")
+    a("--lr-decay-style", default="constant", choices=("constant", "linear", "cosine"),
+      help="learning-rate schedule after warm-up")
+    a("--lr-warmup-iters", type=int, default=0, help="linear warm-up steps")
+    a("--lr-warmup-fraction", type=float, default=None,
+      help="warm-up as a fraction of --train-iters (overrides --lr-warmup-iters)")
+    a("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
+    a("--adam-beta1", type=float, default=0.9, help="Adam beta1")
+    a("--adam-beta2", type=float, default=0.999, help="Adam beta2")
+    a("--adam-eps", type=float, default=1e-8, help="Adam epsilon")
+    a("--clip-grad", type=float, default=1.0, help="global gradient-norm clip (0 disables)")
+    a("--micro-batch-size", type=int, default=8, help="sequences per forward/backward micro-batch")
+    a("--global-batch-size", type=int, default=None,
+      help="sequences per optimizer step (PPO mini-batch); default: the whole rollout batch")
+
+    a = g["checkpointing"].add_argument
+    a("--save", default=None, help="checkpoint directory to write")
+    a("--load", default=None, help="checkpoint directory to resume from")
+    a("--save-interval", type=int, default=0, help="save every N steps (0: only at the end)")
+
+    a = g["logging"].add_argument
+    a("--log-dir", default="runs/emapg", help="metrics.jsonl, curves.png and TensorBoard go here")
+    a("--tensorboard-dir", default=None, help="TensorBoard directory (default: LOG_DIR/tensorboard)")
+    a("--log-interval", type=int, default=1, help="print a progress line every N steps")
+
+    a = g["rollout"].add_argument
+    a("--rollout-engine", default="megatron", choices=("megatron", "vllm"),
+      help="built-in Megatron sampler (CPU and GPU) or vLLM (GPU)")
+    a("--rollout-batch-size", type=int, default=8, help="prompts per trainer step (B)")
+    a("--num-samples-per-prompt", type=int, default=8, help="responses per prompt (N, the GRPO group)")
+    a("--max-new-tokens", type=int, default=16, help="response length limit")
+    a("--temperature", type=float, default=1.0, help="sampling temperature")
+    a("--top-p", type=float, default=1.0,
+      help="nucleus sampling; < 1 biases the KL estimators unless the sampling log-prob is used")
+
+    a = g["grpo"].add_argument
+    a("--advantage-norm", default="group", choices=("group", "global", "none"),
+      help="group: (R-mean)/std per prompt; global: z-score over the batch; none: R-mean only")
+    a("--advantage-eps", type=float, default=1e-6, help="epsilon added to the std")
+    a("--ppo-epochs", type=int, default=1, help="passes over the rollout batch (Lambda)")
+    a("--clip-eps-low", type=float, default=0.2, help="PPO clip epsilon below 1")
+    a("--clip-eps-high", type=float, default=0.28, help="PPO clip epsilon above 1 (clip-higher)")
+    a("--loss-agg-mode", default="token-mean",
+      choices=("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"),
+      help="how per-token losses are averaged over the batch")
+    a("--entropy-coef", type=float, default=0.0, help="entropy bonus coefficient")
+
+    a = g["kl"].add_argument
+    a("--kl-loss-type", default="topk-reverse", choices=KL_LOSS_TYPES,
+      help="token-level KL estimator against the anchor: sampled k1..k5/k3++, Top-k KL, "
+           "or a Top-k f-divergence")
+    a("--kl-topk-tokens", type=int, default=32, help="k of the Top-k estimators")
+    a("--kl-tail", default="unbiased", choices=TOPK_TAILS,
+      help="Top-k tail: unbiased (corrected gradient), paper (Algorithms 1/2 as printed), none")
+    a("--kl-iw-clip", type=float, nargs=2, default=None, metavar=("MIN", "MAX"),
+      help="clip the off-policy importance weight pi/pi_sampling of the KL tail")
+    a("--kl-coef", type=float, default=0.001, help="beta: weight of the token-level KL loss")
+    a("--kl-in-reward-coef", type=float, default=0.0,
+      help="sequence-level KL subtracted from the reward (WARP baseline); 0 disables")
+
+    a = g["ema"].add_argument
+    a("--ema-eta", "--ref-policy-ema-tau", dest="ema_eta", type=float, default=0.9,
+      help="EMA anchor decay eta; 1.0 is the fixed reference policy of GRPO")
+    a("--ema-update-period", type=int, default=10, help="update the EMA every T_ema steps")
+    a("--ema-shard-over-dp", action="store_true",
+      help="shard the EMA across data-parallel ranks (needs --use-distributed-optimizer)")
+    a("--ema-cpu-offload", action="store_true", help="keep the EMA in pinned CPU memory")
+    a("--ema-stability-interval", type=int, default=0,
+      help="estimate the stability margin 1+eta-alpha*beta*lambda every N steps (0: off)")
+    return p
+
+
+def _yaml_defaults(parser: argparse.ArgumentParser, path: str, what: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f) or {}
+    except FileNotFoundError:
+        raise ConfigError(f"{what} not found: {path}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{what} {path} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{what} {path} must be a mapping of flag names to values")
+    known = {a.dest for a in parser._actions}
+    out = {}
+    for key, value in data.items():
+        dest = str(key).replace("-", "_")
+        if dest not in known or dest in ("config", "preset"):
+            raise ConfigError(f"{what} {path}: unknown option {key!r}")
+        out[dest] = value
+    return out
+
+
+def preset_path(name: str) -> str:
+    path = resources.files(PRESETS_PACKAGE) / f"{name}.yaml"
+    if not path.is_file():
+        available = sorted(p.name[:-5] for p in resources.files(PRESETS_PACKAGE).iterdir()
+                           if p.name.endswith(".yaml"))
+        raise ConfigError(f"unknown --preset {name!r}; available: {', '.join(available)}")
+    return str(path)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = build_parser()
+    first, _ = parser.parse_known_args(argv)
+    if first.preset:
+        parser.set_defaults(**_yaml_defaults(parser, preset_path(first.preset), "preset"))
+    if first.config:
+        parser.set_defaults(**_yaml_defaults(parser, first.config, "--config file"))
+    return parser.parse_args(argv)
+
+
+def validate(args: argparse.Namespace, world_size: int) -> None:
+    """Every check that needs no process group. Raises ConfigError with one line.
+
+    A ``--dry-run`` skips only the checks that need the target hardware (GPU present).
+    """
+    from emapg_megatron.runtime import validate_parallel
+
+    validate_parallel(parallel_config(args), world_size, check_devices=not args.dry_run)
+    _check(0.0 <= args.ema_eta <= 1.0, f"--ema-eta must be in [0, 1] (got {args.ema_eta})")
+    _check(args.ema_update_period >= 1,
+           f"--ema-update-period must be >= 1 (got {args.ema_update_period})")
+    _check(not args.ema_shard_over_dp or args.use_distributed_optimizer,
+           "--ema-shard-over-dp needs --use-distributed-optimizer")
+    _check(args.train_iters >= 1, f"--train-iters must be >= 1 (got {args.train_iters})")
+    _check(args.kl_topk_tokens >= 0, "--kl-topk-tokens must be >= 0")
+    _check(args.temperature > 0, "--temperature must be > 0")
+    _check(0.0 < args.top_p <= 1.0, "--top-p must be in (0, 1]")
+    _check(args.clip_eps_low >= 0 and args.clip_eps_high >= 0, "PPO clip epsilons must be >= 0")
+    _check(args.kl_coef >= 0, "--kl-coef must be >= 0")
+    if args.kl_iw_clip is not None:
+        lo, hi = args.kl_iw_clip
+        _check(0 <= lo <= hi, f"--kl-iw-clip needs 0 <= MIN <= MAX (got {lo} {hi})")
+    _check(args.num_samples_per_prompt >= 1 and args.rollout_batch_size >= 1,
+           "--rollout-batch-size and --num-samples-per-prompt must be >= 1")
+    _check(args.advantage_norm != "group" or args.num_samples_per_prompt >= 2,
+           "--advantage-norm group needs --num-samples-per-prompt >= 2")
+    _validate_batches(args, world_size)
+    _check(args.load is None or os.path.isdir(args.load),
+           f"--load path does not exist: {args.load}")
+    _check(args.load_hf is None or os.path.isdir(args.load_hf),
+           f"--load-hf path does not exist: {args.load_hf}")
+    _check(args.pretrained_checkpoint is None or os.path.isdir(args.pretrained_checkpoint),
+           f"--pretrained-checkpoint path does not exist: {args.pretrained_checkpoint}")
+    _check(args.data_path is None or os.path.exists(args.data_path),
+           f"--data-path does not exist: {args.data_path}")
+    _check(args.task == "synthetic-copy" or args.data_path is not None,
+           f"--task {args.task} needs --data-path")
+    _check(args.fp8_format is None or args.bf16, "--fp8-format needs --bf16")
+
+
+def _validate_batches(args, world_size: int) -> None:
+    dp = parallel_config(args).data_parallel_size(world_size)
+    _check(args.rollout_batch_size % dp == 0,
+           f"--rollout-batch-size {args.rollout_batch_size} is not divisible by the "
+           f"data-parallel size {dp}")
+    rollout = args.rollout_batch_size * args.num_samples_per_prompt
+    gbs = args.global_batch_size or rollout
+    _check(rollout % gbs == 0,
+           f"--global-batch-size {gbs} does not divide the rollout batch "
+           f"({args.rollout_batch_size} prompts x {args.num_samples_per_prompt} samples = {rollout})")
+    _check(gbs % (args.micro_batch_size * dp) == 0,
+           f"--global-batch-size {gbs} is not divisible by --micro-batch-size "
+           f"{args.micro_batch_size} x data-parallel size {dp}")
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def parallel_config(args):
+    from emapg_megatron.runtime import ParallelConfig
+
+    return ParallelConfig(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        device=args.device,
+        backend=args.distributed_backend,
+        seed=args.seed,
+        timeout_minutes=args.distributed_timeout_minutes,
+    )
+
+
+def topk_k(args) -> int:
+    """k actually used: 0 for the sampled estimators (which need no top-k ids)."""
+    return args.kl_topk_tokens if args.kl_loss_type.startswith("topk-") else 0

@@ -1,0 +1,101 @@
+"""Training metrics: a progress line per step with ETA, JSONL, TensorBoard and a PNG of curves.
+
+Only the logging rank (global rank 0) writes; others get a no-op logger.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+
+PROGRESS_KEYS = ("reward_mean", "kl", "clip_frac", "ema_lag", "entropy")
+PLOT_KEYS = ("reward_mean", "kl", "entropy", "clip_frac", "ema_lag", "pg_loss")
+
+
+def format_eta(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    seconds = int(seconds)
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m:02d}:{s:02d}"
+
+
+class MetricsLogger:
+    def __init__(self, log_dir: str, total_steps: int, *, tensorboard_dir: str | None = None,
+                 enabled: bool = True, start_step: int = 0, log_interval: int = 1):
+        self.enabled = enabled
+        self.total_steps = total_steps
+        self.log_interval = log_interval
+        self.start_step = start_step
+        self.t0 = time.monotonic()
+        self.log_dir = log_dir
+        if not enabled:
+            return
+        os.makedirs(log_dir, exist_ok=True)
+        self.jsonl = open(os.path.join(log_dir, "metrics.jsonl"), "a", encoding="utf-8")
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.tb = SummaryWriter(tensorboard_dir or os.path.join(log_dir, "tensorboard"))
+
+    def log(self, step: int, metrics: dict) -> None:
+        if not self.enabled:
+            return
+        record = {"step": step, **{k: float(v) for k, v in metrics.items()}}
+        self.jsonl.write(json.dumps(record) + "\n")
+        self.jsonl.flush()
+        for k, v in record.items():
+            if k != "step":
+                self.tb.add_scalar(k, v, step)
+        if step % self.log_interval == 0 or step == self.total_steps:
+            print(self.progress_line(step, record), flush=True)
+
+    def progress_line(self, step: int, record: dict) -> str:
+        done = step - self.start_step
+        elapsed = time.monotonic() - self.t0
+        eta = elapsed / done * (self.total_steps - step) if done > 0 else float("nan")
+        parts = [f"step {step:>5d}/{self.total_steps}"]
+        parts += [f"{k} {record[k]:.4f}" for k in PROGRESS_KEYS if k in record]
+        if "tokens_per_s" in record:
+            parts.append(f"tok/s {record['tokens_per_s']:.0f}")
+        if record.get("skipped"):
+            parts.append("SKIPPED (non-finite)")
+        parts.append(f"elapsed {format_eta(elapsed)} eta {format_eta(eta)}")
+        return " | ".join(parts)
+
+    def close(self) -> str | None:
+        """Flush and write ``curves.png``; returns its path."""
+        if not self.enabled:
+            return None
+        self.jsonl.close()
+        self.tb.close()
+        return plot_curves(os.path.join(self.log_dir, "metrics.jsonl"),
+                           os.path.join(self.log_dir, "curves.png"))
+
+
+def read_jsonl(path: str) -> list[dict]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def plot_curves(jsonl_path: str, png_path: str, keys=PLOT_KEYS) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_jsonl(jsonl_path)
+    keys = [k for k in keys if any(k in r for r in records)]
+    fig, axes = plt.subplots(1, len(keys), figsize=(3.2 * len(keys), 2.8), squeeze=False)
+    for ax, key in zip(axes[0], keys):
+        pts = [(r["step"], r[key]) for r in records if key in r]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], lw=1.2)
+        ax.set_title(key)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=110)
+    plt.close(fig)
+    return png_path

@@ -1,0 +1,62 @@
+"""The rollout-engine protocol and the batch it returns.
+
+An engine turns token-id prompts into ``n`` sampled responses each, recording the
+log-probability of every sampled token under the *sampling* distribution (after
+temperature and top-p), which the KL estimators need for their importance weight.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import torch
+
+
+@dataclass
+class RolloutBatch:
+    """``S = len(prompts) * n`` sequences, right-padded to ``L``.
+
+    * ``tokens`` ``[S, L]``: prompt, then response, then padding.
+    * ``loss_mask`` ``[S, L]``: 1 where the policy produced the token (0 on prompt,
+      environment-observation and padding tokens).
+    * ``sampling_logprobs`` ``[S, L]``: log pi_sampling of each produced token (0 elsewhere).
+    * ``prompt_lengths`` ``[S]``; ``responses``: the produced token ids per sequence.
+    """
+
+    tokens: torch.Tensor
+    loss_mask: torch.Tensor
+    sampling_logprobs: torch.Tensor
+    prompt_lengths: torch.Tensor
+    responses: list[list[int]]
+
+
+class RolloutEngine(Protocol):
+    def generate(self, prompts: Sequence[Sequence[int]], n: int, temperature: float, top_p: float,
+                 max_new_tokens: int) -> RolloutBatch:
+        """Sample ``n`` responses per prompt; sequences are grouped by prompt (prompt-major)."""
+
+    def update_weights(self, model_chunks) -> None:
+        """Make the engine sample from the trainer's current weights."""
+
+
+def build_rollout_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
+                        logprobs: Sequence[Sequence[float]], seq_length: int, pad_id: int,
+                        n: int) -> RolloutBatch:
+    """Pack prompt-major (prompt i's n responses are rows i*n .. i*n+n-1) results."""
+    S = len(responses)
+    tokens = torch.full((S, seq_length), pad_id, dtype=torch.long)
+    mask = torch.zeros((S, seq_length))
+    lps = torch.zeros((S, seq_length))
+    plens = torch.zeros(S, dtype=torch.long)
+    for s, (resp, lp) in enumerate(zip(responses, logprobs)):
+        prompt = prompts[s // n]
+        end = len(prompt) + len(resp)
+        if end > seq_length:
+            raise ValueError(f"sequence of {end} tokens exceeds --seq-length {seq_length}")
+        tokens[s, :len(prompt)] = torch.as_tensor(prompt)
+        tokens[s, len(prompt):end] = torch.as_tensor(resp, dtype=torch.long)
+        mask[s, len(prompt):end] = 1.0
+        lps[s, len(prompt):end] = torch.as_tensor(lp, dtype=torch.float32)
+        plens[s] = len(prompt)
+    return RolloutBatch(tokens, mask, lps, plens, [list(r) for r in responses])

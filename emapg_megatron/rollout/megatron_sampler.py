@@ -1,0 +1,124 @@
+"""The built-in sampler: autoregressive generation on the Megatron model itself.
+
+It recomputes the full (right-padded) sequence at every decoding step instead of keeping a
+KV cache: simple, exact, and TP/PP-aware because every step is one forward-only pipeline
+schedule. Meant for CPU runs, tests and small GPU runs; vLLM is the engine at scale.
+
+Randomness is one uniform number per (sequence, step), drawn from a generator keyed by
+(seed, step) over the *global* batch, so the same global batch samples the same tokens at
+any TP/PP/DP layout: the basis of the layout-equivalence tests.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from emapg_megatron.rollout.engine import RolloutBatch, build_rollout_batch
+from emapg_megatron.training.schedule import forward_only, split_microbatches
+
+
+def warn_if_truncated_sampling(top_p: float, top_k: int = 0) -> None:
+    if top_p < 1.0 or top_k > 0:
+        warnings.warn(
+            "top_p < 1 / top_k sampling: tokens do not come from pi, so the KL estimators rely "
+            "on the importance weight with the truncated distribution's log-prob (recorded)",
+            stacklevel=2,
+        )
+
+
+def sample_from_logits(logits: torch.Tensor, uniforms: torch.Tensor, temperature: float,
+                       top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse-CDF sampling of ``[S, V]`` logits; returns (ids, log-prob under the sampler)."""
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_lp, order = logp.sort(dim=-1, descending=True)
+        before = sorted_lp.exp().cumsum(-1) - sorted_lp.exp()  # mass strictly before each token
+        sorted_lp = sorted_lp.masked_fill(before >= top_p, float("-inf"))
+        logp = torch.full_like(logp, float("-inf")).scatter(-1, order, sorted_lp)
+        logp = torch.log_softmax(logp, dim=-1)
+    cdf = logp.exp().cumsum(-1)
+    ids = torch.searchsorted(cdf, (uniforms * cdf[:, -1]).unsqueeze(-1)).squeeze(-1)
+    ids = ids.clamp_max(logits.shape[-1] - 1)
+    return ids, logp.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+
+
+class MegatronSampler:
+    def __init__(self, model_chunks, *, vocab_size: int, eos_id: int | None, pad_id: int,
+                 seq_length: int, micro_batch_size: int, seed: int):
+        self.model_chunks = model_chunks
+        self.vocab_size = vocab_size
+        self.eos_id = eos_id
+        self.pad_id = pad_id
+        self.seq_length = seq_length
+        self.micro_batch_size = micro_batch_size
+        self.seed = seed
+
+    def update_weights(self, model_chunks) -> None:
+        self.model_chunks = model_chunks  # same live model: nothing to copy
+
+    def _next_token_logits(self, tokens: torch.Tensor, lengths: torch.Tensor):
+        """Full-vocabulary logits at each sequence's last position (last PP stage only)."""
+        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+        def pick(logits_shard, mb):
+            rows = torch.arange(logits_shard.shape[0])
+            last = logits_shard[rows, mb["lengths"] - 1]
+            return {"logits": gather_from_tensor_model_parallel_region(last)}
+
+        mbs = split_microbatches({"tokens": tokens, "lengths": lengths},
+                                 min(self.micro_batch_size, tokens.shape[0]))
+        outs = forward_only(self.model_chunks, mbs, pick)
+        return torch.cat([o["logits"] for o in outs]) if outs else None
+
+    def _broadcast_from_last_stage(self, *tensors):
+        from megatron.core import parallel_state as ps
+
+        if ps.get_pipeline_model_parallel_world_size() == 1:
+            return tensors
+        src = ps.get_pipeline_model_parallel_last_rank()
+        for t in tensors:
+            dist.broadcast(t, src=src, group=ps.get_pipeline_model_parallel_group())
+        return tensors
+
+    def generate(self, prompts, n: int, temperature: float, top_p: float, max_new_tokens: int,
+                 *, rng_step: int = 0, rng_offset: int = 0, rng_total: int | None = None
+                 ) -> RolloutBatch:
+        """``rng_offset``/``rng_total`` place these sequences in the global batch."""
+        warn_if_truncated_sampling(top_p)
+        S = len(prompts) * n
+        rng_total = rng_total or S
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + rng_step)
+        uniforms = torch.rand(rng_total, max_new_tokens, generator=g)[rng_offset:rng_offset + S]
+        tokens = torch.full((S, self.seq_length), self.pad_id, dtype=torch.long)
+        lengths = torch.zeros(S, dtype=torch.long)
+        for s in range(S):
+            p = prompts[s // n]
+            tokens[s, :len(p)] = torch.as_tensor(p)
+            lengths[s] = len(p)
+        if int(lengths.max()) + max_new_tokens > self.seq_length:
+            raise ValueError(f"prompt ({int(lengths.max())}) + --max-new-tokens ({max_new_tokens}) "
+                             f"exceeds --seq-length {self.seq_length}")
+        responses = [[] for _ in range(S)]
+        logprobs = [[] for _ in range(S)]
+        done = torch.zeros(S, dtype=torch.bool)
+        for t in range(max_new_tokens):
+            logits = self._next_token_logits(tokens, lengths)
+            ids = torch.zeros(S, dtype=torch.long)
+            lp = torch.zeros(S)
+            if logits is not None:
+                logits[:, self.vocab_size:] = float("-inf")  # Megatron's vocab padding
+                ids, lp = sample_from_logits(logits, uniforms[:, t], temperature, top_p)
+            self._broadcast_from_last_stage(ids, lp)
+            for s in torch.nonzero(~done).flatten().tolist():
+                responses[s].append(int(ids[s]))
+                logprobs[s].append(float(lp[s]))
+                tokens[s, lengths[s]] = ids[s]
+                lengths[s] += 1
+            if self.eos_id is not None:
+                done |= ids == self.eos_id
+            if bool(done.all()):
+                break
+        return build_rollout_batch(prompts, responses, logprobs, self.seq_length, self.pad_id, n)

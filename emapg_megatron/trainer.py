@@ -1,0 +1,294 @@
+"""One EMA-PG / GRPO trainer step on Megatron-Core, as orchestration only.
+
+    rollout -> rewards -> advantages -> old-policy pass -> anchor pass (EMA swapped in)
+      -> Lambda epochs of mini-batch PPO-clip + beta * KL -> optimizer step -> EMA update
+
+Between passes a token carries O(k) state (top-k ids, anchor log-probs at them, three
+scalars); full logits exist only inside one micro-batch's forward pass on the last stage.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from emapg_megatron.algo.advantages import compute_advantages
+from emapg_megatron.algo.policy_loss import LossConfig, normaliser, policy_loss_terms
+from emapg_megatron.training.schedule import (concat_outputs, forward_backward, forward_only,
+                                              split_microbatches)
+
+LOSS_KEYS = ("pg_loss", "kl", "clip_frac", "entropy", "tokens")
+
+
+@dataclass
+class KLConfig:
+    loss_type: str = "topk-reverse"
+    k: int = 32
+    tail: str = "unbiased"
+    iw_clip: tuple[float, float] | None = None
+
+    @property
+    def direction(self) -> str | None:
+        return {"topk-reverse": "reverse", "topk-forward": "forward"}.get(self.loss_type)
+
+    @property
+    def uses_topk(self) -> bool:
+        return self.loss_type.startswith("topk-") and self.k > 0
+
+
+def shifted(batch_tokens: torch.Tensor, per_token: torch.Tensor) -> torch.Tensor:
+    """Align a per-token tensor with next-token prediction: position p predicts p+1."""
+    out = torch.zeros_like(per_token)
+    out[:, :-1] = per_token[:, 1:]
+    return out
+
+
+def training_batch(rollout, advantages: torch.Tensor) -> dict:
+    labels = torch.zeros_like(rollout.tokens)
+    labels[:, :-1] = rollout.tokens[:, 1:]
+    return {
+        "tokens": rollout.tokens,
+        "labels": labels,
+        "mask": shifted(rollout.tokens, rollout.loss_mask),
+        "sampling_logprob": shifted(rollout.tokens, rollout.sampling_logprobs),
+        "advantages": advantages,
+    }
+
+
+class PolicyPasses:
+    """The no-grad passes and the loss, on vocab-sharded logits (last pipeline stage)."""
+
+    def __init__(self, kl: KLConfig, loss: LossConfig, vocab_size: int):
+        self.kl = kl
+        self.loss = loss
+        self.vocab_size = vocab_size
+
+    @staticmethod
+    def _tp_group():
+        from megatron.core import parallel_state as ps
+
+        return ps.get_tensor_model_parallel_group()
+
+    def old(self, logits, mb) -> dict:
+        from emapg_megatron.parallel import vocab_parallel_logprobs_at, vocab_parallel_topk
+
+        out = {"old_logprob": vocab_parallel_logprobs_at(logits, mb["labels"], group=self._tp_group())}
+        if self.kl.uses_topk and self.kl.direction != "forward":
+            ids, _ = vocab_parallel_topk(logits, self.kl.k, vocab_size=self.vocab_size,
+                                         group=self._tp_group())
+            out["topk_index"] = ids  # q from the (recomputed) sampling policy
+        return out
+
+    def anchor(self, logits, mb) -> dict:
+        from emapg_megatron.parallel import vocab_parallel_logprobs_at, vocab_parallel_topk
+
+        group = self._tp_group()
+        out = {"ref_logprob": vocab_parallel_logprobs_at(logits, mb["labels"], group=group)}
+        if self.kl.uses_topk and self.kl.direction == "forward":
+            ids, lps = vocab_parallel_topk(logits, self.kl.k, vocab_size=self.vocab_size, group=group)
+            out.update(topk_index=ids, ref_logprob_topk=lps)  # q from the anchor itself
+        elif self.kl.uses_topk:
+            out["ref_logprob_topk"] = vocab_parallel_logprobs_at(logits, mb["topk_index"], group=group)
+        return out
+
+    def loss_terms(self, logits, mb):
+        """(weighted loss sum, metrics) for one micro-batch."""
+        from emapg_megatron.parallel import kl_from_policy_terms, vocab_parallel_policy_terms
+
+        q = mb.get("topk_index") if self.kl.uses_topk else None
+        terms = vocab_parallel_policy_terms(logits, mb["labels"], q, group=self._tp_group(),
+                                            vocab_size=self.vocab_size, with_entropy=True)
+        kl = kl_from_policy_terms(
+            terms, mb["labels"], q, mb.get("ref_logprob_topk"), mb["ref_logprob"],
+            kind=self.kl.loss_type, tail=self.kl.tail,
+            sampling_logprob=mb["sampling_logprob"], iw_clip=self.kl.iw_clip)
+        return policy_loss_terms(terms.logprob, mb["old_logprob"], mb["advantages"],
+                                 kl * mb["mask"], terms.entropy, mb["mask"], self.loss)
+
+
+def reduce_sum(values: dict, group=None) -> dict:
+    """All-reduce a dict of scalars (one packed collective)."""
+    keys = sorted(values)
+    packed = torch.stack([torch.as_tensor(values[k], dtype=torch.float64) for k in keys])
+    dist.all_reduce(packed, group=group)
+    return dict(zip(keys, packed.tolist()))
+
+
+def grads_are_finite(model_chunks) -> bool:
+    bad = torch.zeros(1)
+    for chunk in model_chunks:
+        for p in chunk.parameters():
+            g = getattr(p, "main_grad", None)
+            if g is not None and not torch.isfinite(g).all():
+                bad.fill_(1.0)
+                break
+    dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    return bad.item() == 0.0
+
+
+@dataclass
+class StepConfig:
+    num_samples: int
+    micro_batch_size: int
+    mini_batch_size: int  # sequences per optimizer step, global
+    ppo_epochs: int
+    temperature: float
+    top_p: float
+    max_new_tokens: int
+    advantage_norm: str
+    advantage_eps: float
+    kl_in_reward_coef: float = 0.0
+
+
+class Trainer:
+    def __init__(self, *, model_chunks, optimizer, scheduler, anchor, sampler, task, tokenizer,
+                 passes: PolicyPasses, step_cfg: StepConfig, data, rollout_batch_size: int):
+        self.model_chunks = model_chunks
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.anchor = anchor
+        self.sampler = sampler
+        self.task = task
+        self.tokenizer = tokenizer
+        self.passes = passes
+        self.cfg = step_cfg
+        self.data = data
+        self.rollout_batch_size = rollout_batch_size
+        self.skipped_steps = 0
+
+    # --- parallel layout helpers -------------------------------------------------------
+    @staticmethod
+    def _dp():
+        from megatron.core import parallel_state as ps
+
+        return ps.get_data_parallel_world_size(), ps.get_data_parallel_rank(), ps.get_data_parallel_group()
+
+    @staticmethod
+    def _is_last_stage() -> bool:
+        from megatron.core import parallel_state as ps
+
+        return ps.is_pipeline_last_stage()
+
+    # --- the step ----------------------------------------------------------------------
+    def rollout(self, iteration: int):
+        dp, dp_rank, _ = self._dp()
+        rows = self.data.rows_for_step(iteration, self.rollout_batch_size)
+        per_rank = len(rows) // dp
+        local_rows = rows[dp_rank * per_rank:(dp_rank + 1) * per_rank]
+        prompts = [self.tokenizer.encode(self.task.prompt(r, self.tokenizer)) for r in local_rows]
+        n = self.cfg.num_samples
+        batch = self.sampler.generate(
+            prompts, n, self.cfg.temperature, self.cfg.top_p, self.cfg.max_new_tokens,
+            rng_step=iteration, rng_offset=dp_rank * per_rank * n, rng_total=len(rows) * n)
+        return batch, [r for r in local_rows for _ in range(n)]
+
+    def score(self, rollout, rows) -> torch.Tensor:
+        texts = [self.tokenizer.decode(r) for r in rollout.responses]
+        return torch.tensor(self.task.rewards(texts, rows), dtype=torch.float32)
+
+    def advantages(self, local_rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """GRPO advantages over the global batch; returns (local advantages, all rewards)."""
+        dp, dp_rank, group = self._dp()
+        gathered = [torch.empty_like(local_rewards) for _ in range(dp)]
+        dist.all_gather(gathered, local_rewards, group=group)
+        rewards = torch.cat(gathered)
+        adv = compute_advantages(rewards, self.cfg.num_samples, self.cfg.advantage_norm,
+                                 self.cfg.advantage_eps)
+        n_local = local_rewards.numel()
+        return adv[dp_rank * n_local:(dp_rank + 1) * n_local], rewards
+
+    def no_grad_passes(self, batch: dict) -> dict:
+        mbs = split_microbatches(batch, self.cfg.micro_batch_size)
+        old = concat_outputs(forward_only(self.model_chunks, mbs, self.passes.old))
+        batch = {**batch, **old}
+        with self.anchor.swapped_in():
+            mbs = split_microbatches(batch, self.cfg.micro_batch_size)
+            ref = concat_outputs(forward_only(self.model_chunks, mbs, self.passes.anchor))
+        return {**batch, **ref}
+
+    def train_minibatch(self, batch: dict) -> dict:
+        """One optimizer step over ``batch`` (this rank's share of a mini-batch)."""
+        from emapg_megatron.training.model_and_optimizer import zero_grads
+
+        dp, _, dp_group = self._dp()
+        mbs = split_microbatches(batch, self.cfg.micro_batch_size)
+        agg = self.passes.loss.agg_mode
+        norm = reduce_sum({"n": normaliser(batch["mask"], agg)}, group=dp_group)["n"]
+        scale = len(mbs) * dp / max(norm, 1.0)  # undo Megatron's 1/num_mb and DDP's 1/dp
+
+        def loss(logits, mb):
+            total, metrics = self.passes.loss_terms(logits, mb)
+            return total * scale, metrics
+
+        zero_grads(self.model_chunks, self.optimizer)
+        outs = forward_backward(self.model_chunks, mbs, loss)
+        for chunk in self.model_chunks:
+            chunk.finish_grad_sync()
+        sums = {k: sum(float(o[k]) for o in outs) for k in LOSS_KEYS} if outs else dict.fromkeys(LOSS_KEYS, 0.0)
+        finite = grads_are_finite(self.model_chunks) and all(
+            torch.isfinite(torch.tensor(v)) for v in sums.values())
+        if finite:
+            self.optimizer.step()
+            self.scheduler.step(increment=1)
+        return {**sums, "finite": float(finite), "norm": norm}
+
+    def step(self, iteration: int) -> dict:
+        t0 = time.monotonic()
+        rollout, rows = self.rollout(iteration)
+        rewards = self.score(rollout, rows)
+        adv, all_rewards = self.advantages(rewards)
+        batch = self.no_grad_passes(training_batch(rollout, adv))
+        t_passes = time.monotonic()
+        stats = self.update(batch)
+        self.anchor.step(iteration)
+        self.sampler.update_weights(self.model_chunks)
+        return self.step_metrics(stats, rollout, all_rewards, t0, t_passes)
+
+    def update(self, batch: dict) -> dict:
+        dp, _, _ = self._dp()
+        local_mini = self.cfg.mini_batch_size // dp
+        S = batch["tokens"].shape[0]
+        totals = dict.fromkeys(LOSS_KEYS, 0.0)
+        skipped = 0
+        for _ in range(self.cfg.ppo_epochs):
+            for start in range(0, S, local_mini):
+                mini = {k: (v[start:start + local_mini] if v is not None else None)
+                        for k, v in batch.items()}
+                out = self.train_minibatch(mini)
+                skipped += out["finite"] == 0.0
+                for k in LOSS_KEYS:
+                    totals[k] += out[k]
+        self.skipped_steps += int(skipped > 0)
+        return {**totals, "skipped": float(skipped > 0)}
+
+    def step_metrics(self, stats: dict, rollout, rewards, t0: float, t_passes: float) -> dict:
+        contributes = self._is_last_stage() and _tp_rank() == 0
+        local = {k: (stats[k] if contributes else 0.0) for k in LOSS_KEYS}
+        local["gen_tokens"] = float(rollout.loss_mask.sum()) if contributes else 0.0
+        g = reduce_sum(local)
+        tokens = max(g["tokens"], 1.0)
+        elapsed = time.monotonic() - t0
+        return {
+            "reward_mean": float(rewards.mean()),
+            "reward_std": float(rewards.std()),
+            "kl": g["kl"] / tokens,
+            "entropy": g["entropy"] / tokens,
+            "clip_frac": g["clip_frac"] / tokens,
+            "pg_loss": g["pg_loss"] / tokens,
+            "ema_lag": self.anchor.lag(),
+            "response_len": g["gen_tokens"] / rewards.numel(),
+            "tokens_per_s": g["gen_tokens"] / elapsed,
+            "step_time_s": elapsed,
+            "update_time_s": time.monotonic() - t_passes,
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "skipped": stats["skipped"],
+        }
+
+
+def _tp_rank() -> int:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_tensor_model_parallel_rank()

@@ -239,6 +239,8 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
            f"--pretrained-checkpoint path does not exist: {args.pretrained_checkpoint}")
     _check(args.data_path is None or os.path.exists(args.data_path),
            f"--data-path does not exist: {args.data_path}")
+    _check(args.task == "synthetic-copy" or args.load_hf is not None,
+           f"--task {args.task} needs --load-hf (for the tokenizer and weights)")
     _check(args.task == "synthetic-copy" or args.data_path is not None,
            f"--task {args.task} needs --data-path")
     _check(args.fp8_format is None or args.bf16, "--fp8-format needs --bf16")

@@ -79,10 +79,9 @@ def world_size_from_env(args) -> int:
     return int(os.environ.get("WORLD_SIZE", args.world_size or 1))
 
 
-def validate_all(args, model_cfg) -> None:
+def validate_model(args, model_cfg) -> None:
     from emapg_megatron.models.gpt import validate_precision
 
-    arguments.validate(args, world_size_from_env(args))
     model_cfg.validate(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
     if arguments.topk_k(args) > model_cfg.vocab_size:
         raise ConfigError(f"--kl-topk-tokens {args.kl_topk_tokens} exceeds the vocabulary "
@@ -243,9 +242,10 @@ def run(argv=None) -> int:
     from emapg_megatron.metrics import MetricsLogger
 
     args = arguments.parse_args(argv)
+    arguments.validate(args, world_size_from_env(args))  # before loading anything
     tokenizer, task = build_tokenizer_and_task(args)
     model_cfg = model_config(args, tokenizer)
-    validate_all(args, model_cfg)
+    validate_model(args, model_cfg)
     if args.dry_run:
         print(json.dumps({"layout": layout(args, world_size_from_env(args)),
                           "model": model_cfg.to_dict(), "args": vars(args)}, indent=2, default=str))

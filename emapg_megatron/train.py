@@ -27,31 +27,28 @@ def build_tokenizer_and_task(args):
         from emapg_megatron.tasks.synthetic import CharTokenizer, CopyTask
 
         return CharTokenizer(), CopyTask(seed=args.seed)
-    from emapg_megatron.tasks import get_task
-
-    if args.load_hf is None:
-        raise ConfigError(f"--task {args.task} needs --load-hf (for the tokenizer and weights)")
     from transformers import AutoTokenizer
+
+    from emapg_megatron.tasks import get_task
 
     tokenizer = AutoTokenizer.from_pretrained(args.load_hf, local_files_only=True)
     return tokenizer, get_task(args.task)
 
 
-def tokenizer_vocab_size(tokenizer) -> int:
-    return len(tokenizer) if hasattr(tokenizer, "__len__") else tokenizer.vocab_size
-
-
-def model_config(args, tokenizer):
+def model_config(args):
+    """The architecture: from --load-hf's config.json, else from the flags (no weights read)."""
     from emapg_megatron.models.gpt import ModelConfig
 
     if args.load_hf is not None:
-        from emapg_megatron.checkpoint import model_config_from_hf
+        from emapg_megatron.checkpoint.hf_config import model_config_from_hf, read_hf_config
 
-        cfg = model_config_from_hf(args.load_hf)
-        cfg.make_vocab_size_divisible_by = args.make_vocab_size_divisible_by
+        cfg, _ = model_config_from_hf(read_hf_config(args.load_hf),
+                                      make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
         return cfg
+    from emapg_megatron.tasks.synthetic import CharTokenizer
+
     return ModelConfig(
-        vocab_size=tokenizer_vocab_size(tokenizer),
+        vocab_size=CharTokenizer().vocab_size,
         hidden_size=args.hidden_size,
         ffn_hidden_size=args.ffn_hidden_size,
         num_layers=args.num_layers,
@@ -243,13 +240,13 @@ def run(argv=None) -> int:
 
     args = arguments.parse_args(argv)
     arguments.validate(args, world_size_from_env(args))  # before loading anything
-    tokenizer, task = build_tokenizer_and_task(args)
-    model_cfg = model_config(args, tokenizer)
+    model_cfg = model_config(args)
     validate_model(args, model_cfg)
     if args.dry_run:
         print(json.dumps({"layout": layout(args, world_size_from_env(args)),
                           "model": model_cfg.to_dict(), "args": vars(args)}, indent=2, default=str))
         return 0
+    tokenizer, task = build_tokenizer_and_task(args)
     runtime.initialize(arguments.parallel_config(args))
     try:
         trainer = build_run(args, tokenizer, task, model_cfg)

@@ -254,3 +254,56 @@ def test_worker_does_not_import_trainer_main():
     src = open(mt._WORKER_PATH).read()
     assert "emapg_megatron" not in src.split('"""', 2)[2]
     assert os.path.exists(mt._WORKER_PATH)
+
+
+@pytest.mark.parametrize(
+    "response",
+    ["\\boxed{" * 20000, "1" * 200000, ("12 " * 50000) + "\\boxed{3}", "{" * 100000 + "}" * 100000],
+)
+def test_degenerate_long_responses_are_linear_time(pool, response):
+    t0 = time.monotonic()
+    mt.reward(response, "3", pool=pool, timeout=1.0)
+    assert time.monotonic() - t0 < 1.5
+
+
+def test_missing_math_verify_names_the_extra(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(mt, "_MV_FOUND", False)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "math_verify" else real(name, *a))
+    with pytest.raises(ImportError, match=r"emapg-megatron\[math\]"):
+        mt.reward("\\boxed{1}", "1")
+    with pytest.raises(ImportError, match=r"\[math\]"):
+        MathTask()
+
+
+def test_worker_start_failure_is_reported_not_fatal(tmp_path, monkeypatch):
+    bad = tmp_path / "broken_worker.py"
+    bad.write_text("import sys\nsys.stderr.write('boom: cannot start\\n')\nsys.exit(3)\n")
+    monkeypatch.setattr(mt, "_WORKER_PATH", str(bad))
+    with MathVerifierPool(num_workers=1, timeout=1.0) as p:
+        with pytest.raises(RuntimeError, match="boom: cannot start"):
+            p.verify_many([(["\\boxed{1}"], "\\boxed{x}")])
+        # through the reward API the failure costs zero rewards, not the run
+        assert mt.rewards(["\\boxed{x}"], ["1"], pool=p) == [0.0]
+
+
+def test_thread_safe_shared_pool(pool):
+    from concurrent.futures import ThreadPoolExecutor
+
+    cases = [("\\boxed{x+1}", "1+x", 1.0), ("\\boxed{2^{1/2}}", "\\sqrt{2}", 1.0), ("\\boxed{3}", "4", 0.0)] * 4
+    with ThreadPoolExecutor(4) as ex:
+        got = list(ex.map(lambda c: mt.reward(c[0], c[1], pool=pool), cases))
+    assert got == [c[2] for c in cases]
+
+
+def test_pool_created_in_a_thread():
+    from concurrent.futures import ThreadPoolExecutor
+
+    def work():
+        with MathVerifierPool(num_workers=1, timeout=3.0) as p:
+            return mt.reward("\\boxed{\\sqrt{4}}", "2", pool=p)
+
+    with ThreadPoolExecutor(1) as ex:
+        assert ex.submit(work).result() == 1.0

@@ -1,6 +1,7 @@
 """Search-agent task: environment protocol, loss masks, malformed tags, reward, retriever service."""
 import json
 import os
+import urllib.error
 import urllib.request
 
 import pytest
@@ -325,6 +326,7 @@ def test_search_task_load_and_prompts(hf_tok):
 def test_http_service_round_trip(retriever):
     from emapg_megatron.tasks.retriever import RetrieverClient, RetrieverServer
 
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # no proxy for loopback
     with RetrieverServer(retriever, host="127.0.0.1", port=0) as srv:
         assert srv.port > 0 and srv.url.startswith("http://127.0.0.1:")
         client = RetrieverClient(srv.url, timeout=5)
@@ -334,20 +336,20 @@ def test_http_service_round_trip(retriever):
         assert [[h["id"] for h in r] for r in remote] == [[h["id"] for h in r] for r in local]
         assert remote[0][0]["title"] == "Mount Fuji" and remote[2] == []
         assert remote[0][0]["score"] == pytest.approx(local[0][0]["score"])
-        with urllib.request.urlopen(srv.url + "/health", timeout=5) as r:
+        with opener.open(srv.url + "/health", timeout=5) as r:
             assert json.loads(r.read())["passages"] == 50
         # Search-R1 wire format
         req = urllib.request.Request(srv.url + "/retrieve", method="POST",
                                      data=json.dumps({"queries": ["Mars"], "topk": 1, "return_scores": True}).encode(),
                                      headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=5) as r:
+        with opener.open(req, timeout=5) as r:
             doc = json.loads(r.read())["result"][0][0]
         assert doc["document"]["contents"].startswith('"Mars"\n') and doc["score"] > 0
         # a bad request is a client error, not a retry loop
         bad = RetrieverClient(srv.url, timeout=5)
         bad_body = urllib.request.Request(srv.url + "/retrieve", method="POST", data=b'{"queries": 5}')
         with pytest.raises(urllib.error.HTTPError) as e:
-            urllib.request.urlopen(bad_body, timeout=5)
+            opener.open(bad_body, timeout=5)
         assert e.value.code == 400
         assert bad.search("Mars", 1)[0]["title"] == "Mars"
         # an environment can use the client directly
@@ -376,3 +378,27 @@ def test_build_token_ids_and_mask_basic():
     assert mask == [0, 0, 1, 1, 0, 0, 1, 1, 1]
     with pytest.raises(ValueError):
         Segment("x", "assistant")
+
+
+def test_degenerate_responses_are_linear_time():
+    import time
+
+    for text in ["<answer>" * 50000, "<search>" * 50000 + "</answer>", "<search> q" * 30000]:
+        t0 = time.monotonic()
+        assert reward(text, ["q"]) == 0.0
+        assert parse_action(text).kind == "invalid"
+        assert time.monotonic() - t0 < 1.0
+
+
+def test_missing_optional_dependencies_name_the_extra(monkeypatch):
+    import importlib.util
+
+    from emapg_megatron.tasks import retriever as rt
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("bm25s", "faiss") else real(name, *a))
+    with pytest.raises(ImportError, match=r"emapg-megatron\[search\]"):
+        rt.BM25Retriever(CORPUS)
+    with pytest.raises(ImportError, match="faiss"):
+        rt.DenseRetriever(CORPUS, "index.faiss")

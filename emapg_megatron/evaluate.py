@@ -1,0 +1,414 @@
+"""Evaluate a task: Pass@1 (averaged over N samples) and unbiased Pass@k, per data source.
+
+    python -m emapg_megatron.evaluate --task math --data data/samples/math.jsonl \\
+        --responses data/samples/math_responses.jsonl --n-samples 4 --out runs/eval_math
+
+Two sources of responses:
+
+* ``--responses FILE``: precomputed responses, jsonl. Each line is
+  ``{"index": <row index in the data file>, "responses": ["...", ...]}`` (or ``"response": "..."``
+  with one line per sample; lines with the same index accumulate). ``index`` is the 0-based
+  row number in the data file (the ``_index`` column of the loaded rows). With several
+  ``--data`` files add ``"file": "<basename>"``. Without any ``index`` the lines are matched to
+  the loaded rows in order, and the counts must agree.
+* ``--load CKPT``: generate with a model through ``emapg_megatron.rollout`` (imported lazily;
+  it must provide ``load_generation_backend(ckpt, **generation_kwargs)`` returning a
+  :class:`GenerationBackend`). Generated responses are written to ``OUT/responses.jsonl``.
+
+Outputs in ``--out``: ``results.json``, ``results.md`` (one table, a row per data source plus
+the overall row), ``passk.png`` (Pass@k curves) and ``scores.jsonl`` (per-row correctness).
+
+Scoring uses correctness only (no format bonus): math-verify equivalence for ``math``, exact
+match of the final ``<answer>`` for ``search``.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import os
+import sys
+from collections import OrderedDict
+from typing import Any, Mapping, Optional, Protocol, Sequence
+
+logger = logging.getLogger("emapg_megatron.evaluate")
+
+__all__ = [
+    "GenerationBackend",
+    "generate_responses",
+    "read_responses",
+    "score",
+    "summarize",
+    "write_report",
+    "main",
+]
+
+
+class GenerationBackend(Protocol):
+    """Anything that samples ``n`` continuations for each prompt string.
+
+    ``stop`` (strings, kept in the output) and ``max_new_tokens`` are passed for multi-turn
+    tasks; a backend may ignore keyword arguments it does not know.
+    """
+
+    def __call__(self, prompts: list[str], n: int, **kwargs: Any) -> list[list[str]]: ...
+
+
+class EvalError(Exception):
+    """A user-facing error: reported as one line, exit code 2."""
+
+
+# ----------------------------------------------------------------------------------------------
+# responses
+
+
+def read_responses(path: str, rows: Sequence[Mapping[str, Any]], n_samples: int) -> list[list[str]]:
+    """Responses per loaded row (first ``n_samples`` of each), matched by index (see module doc)."""
+    if not os.path.exists(path):
+        raise EvalError(f"responses file not found: {path}")
+    records = []
+    with open(path, "r", encoding="utf-8") as f:
+        for ln, line in enumerate(f):
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise EvalError(f"{path}: line {ln} is not valid JSON ({e.msg})") from None
+            if not isinstance(rec, dict):
+                raise EvalError(f"{path}: line {ln} is not a JSON object")
+            if "responses" in rec:
+                resps = rec["responses"]
+                if isinstance(resps, str):
+                    resps = [resps]
+            elif "response" in rec:
+                resps = [rec["response"]]
+            else:
+                raise EvalError(f"{path}: line {ln} has neither 'responses' nor 'response'")
+            if not isinstance(resps, list) or not all(isinstance(r, str) for r in resps):
+                raise EvalError(f"{path}: line {ln}: responses must be strings")
+            records.append((ln, rec, resps))
+
+    multi_file = len({r.get("_file") for r in rows}) > 1
+    if records and all("index" not in rec for _, rec, _ in records):
+        if len(records) != len(rows):
+            raise EvalError(
+                f"{path}: {len(records)} lines without 'index' for {len(rows)} rows; add an 'index' field"
+            )
+        by_row = [list(resps) for _, _, resps in records]
+    else:
+        key_of = {}
+        for pos, r in enumerate(rows):
+            key_of[(r.get("_file") if multi_file else None, int(r["_index"]))] = pos
+        by_row = [[] for _ in rows]
+        unknown = []
+        for ln, rec, resps in records:
+            if "index" not in rec:
+                raise EvalError(f"{path}: line {ln} has no 'index' (other lines do)")
+            key = (rec.get("file") if multi_file else None, int(rec["index"]))
+            pos = key_of.get(key)
+            if pos is None:
+                unknown.append(rec["index"])
+                continue
+            by_row[pos].extend(resps)
+        if unknown:
+            logger.warning("%d response line(s) refer to rows not loaded (skipped or absent): index %s",
+                           len(unknown), unknown[:20])
+    short = [int(r["_index"]) for r, resps in zip(rows, by_row) if len(resps) < n_samples]
+    if short:
+        raise EvalError(
+            f"{len(short)} row(s) have fewer than --n-samples {n_samples} responses in {path}: index "
+            f"{short[:20]}{' ...' if len(short) > 20 else ''}"
+        )
+    return [resps[:n_samples] for resps in by_row]
+
+
+def generate_responses(task, rows: Sequence[Mapping[str, Any]], backend: GenerationBackend, n: int,
+                       tokenizer: Any = None) -> list[list[str]]:
+    """Sample ``n`` responses per row; multi-turn tasks run their environment between turns."""
+    prompts = task.prompts(rows, tokenizer)
+    if not task.multi_turn:
+        out = backend(prompts, n, stop=task.stop_strings or None)
+        if len(out) != len(prompts) or any(len(o) != n for o in out):
+            raise EvalError("generation backend returned the wrong number of responses")
+        return [list(o) for o in out]
+    episodes = []  # (row position, prompt, env)
+    for pos, (row, prompt) in enumerate(zip(rows, prompts)):
+        for _ in range(n):
+            episodes.append((pos, prompt, task.make_env(row, tokenizer)))
+    active = list(range(len(episodes)))
+    while active:
+        texts = [episodes[i][1] + episodes[i][2].response_text for i in active]
+        env0 = episodes[active[0]][2]
+        outs = backend(texts, 1, stop=task.stop_strings or None, max_new_tokens=env0.max_turn_tokens)
+        still = []
+        for i, o in zip(active, outs):
+            res = episodes[i][2].step(o[0] if o else "")
+            if not res.done:
+                still.append(i)
+        active = still
+    out: list[list[str]] = [[] for _ in rows]
+    for pos, _, env in episodes:
+        out[pos].append(env.response_text)
+    return out
+
+
+def load_backend(ckpt: str, **gen_kwargs: Any) -> GenerationBackend:
+    try:
+        rollout = importlib.import_module("emapg_megatron.rollout")
+        factory = getattr(rollout, "load_generation_backend")
+    except (ImportError, AttributeError) as e:
+        raise EvalError(
+            "--load needs emapg_megatron.rollout.load_generation_backend, which is not available yet "
+            f"({type(e).__name__}: {e}); use --responses FILE"
+        ) from None
+    return factory(ckpt, **gen_kwargs)
+
+
+# ----------------------------------------------------------------------------------------------
+# scoring and reporting
+
+
+def score(task, rows: Sequence[Mapping[str, Any]], responses: Sequence[Sequence[str]]) -> list[list[bool]]:
+    flat_resp, flat_rows, shape = [], [], []
+    for row, resps in zip(rows, responses):
+        shape.append(len(resps))
+        flat_resp.extend(resps)
+        flat_rows.extend([row] * len(resps))
+    flat = task.correct_many(flat_resp, flat_rows)
+    out, i = [], 0
+    for n in shape:
+        out.append([bool(x) for x in flat[i : i + n]])
+        i += n
+    return out
+
+
+def summarize(rows: Sequence[Mapping[str, Any]], correct: Sequence[Sequence[bool]], ks: Sequence[int]) -> dict:
+    from .tasks.passk import mean_pass_at_k
+
+    groups: "OrderedDict[str, list[int]]" = OrderedDict()
+    for pos, row in enumerate(rows):
+        groups.setdefault(str(row.get("data_source") or "default"), []).append(pos)
+
+    def block(positions: list[int]) -> dict:
+        ns = [len(correct[p]) for p in positions]
+        cs = [sum(correct[p]) for p in positions]
+        res = {
+            "n_problems": len(positions),
+            "n_samples": ns[0] if ns and len(set(ns)) == 1 else ns,
+            "pass@1": mean_pass_at_k(ns, cs, 1),
+        }
+        res["pass@k"] = {str(k): mean_pass_at_k(ns, cs, k) for k in ks}
+        return res
+
+    by_source = OrderedDict((src, block(pos)) for src, pos in groups.items())
+    overall = block(list(range(len(rows))))
+    macro = {
+        "pass@1": sum(b["pass@1"] for b in by_source.values()) / max(len(by_source), 1),
+        "pass@k": {str(k): sum(b["pass@k"][str(k)] for b in by_source.values()) / max(len(by_source), 1)
+                   for k in ks},
+    }
+    return {"ks": list(ks), "by_source": by_source, "overall": overall, "macro_avg": macro}
+
+
+def _markdown(summary: dict, title: str) -> str:
+    ks = [k for k in summary["ks"] if k != 1]  # pass@1 has its own column
+    head = ["data_source", "problems", "pass@1 (mean over samples)"] + [f"pass@{k}" for k in ks]
+    lines = [f"# {title}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+
+    def row(name: str, b: dict, n: Any) -> str:
+        vals = [name, str(n), f"{b['pass@1']:.4f}"] + [f"{b['pass@k'][str(k)]:.4f}" for k in ks]
+        return "| " + " | ".join(vals) + " |"
+
+    for src, b in summary["by_source"].items():
+        lines.append(row(src, b, b["n_problems"]))
+    lines.append(row("**overall**", summary["overall"], summary["overall"]["n_problems"]))
+    if len(summary["by_source"]) > 1:
+        lines.append(row("macro avg", summary["macro_avg"], len(summary["by_source"])))
+    lines.append("")
+    lines.append("Pass@k: unbiased estimator 1 - C(n-c,k)/C(n,k), averaged over problems.")
+    return "\n".join(lines) + "\n"
+
+
+def _plot(summary: dict, path: str, title: str) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    ks = summary["ks"]
+    fig = Figure(figsize=(6, 4), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    curves = list(summary["by_source"].items())
+    if len(curves) > 1:
+        curves.append(("overall", summary["overall"]))
+    for name, b in curves:
+        ax.plot(ks, [b["pass@k"][str(k)] for k in ks], marker="o", label=name,
+                linewidth=2.5 if name == "overall" else 1.5)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ks)
+    ax.set_xticklabels([str(k) for k in ks])
+    ax.set_ylim(0, 1.02)
+    ax.set_xlabel("k")
+    ax.set_ylabel("pass@k")
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def write_report(out_dir: str, summary: dict, meta: dict, rows, correct) -> dict:
+    os.makedirs(out_dir, exist_ok=True)
+    title = f"{meta.get('task', '')} evaluation (n={meta.get('n_samples')})"
+    result = dict(meta, **summary)
+    paths = {
+        "json": os.path.join(out_dir, "results.json"),
+        "markdown": os.path.join(out_dir, "results.md"),
+        "png": os.path.join(out_dir, "passk.png"),
+        "scores": os.path.join(out_dir, "scores.jsonl"),
+    }
+    with open(paths["json"], "w") as f:
+        json.dump(result, f, indent=2)
+    with open(paths["markdown"], "w") as f:
+        f.write(_markdown(summary, title))
+    with open(paths["scores"], "w") as f:
+        for row, c in zip(rows, correct):
+            f.write(json.dumps({"index": int(row["_index"]), "file": row.get("_file"),
+                                "data_source": row.get("data_source"), "correct": [int(x) for x in c]}) + "\n")
+    _plot(summary, paths["png"], title)
+    return paths
+
+
+# ----------------------------------------------------------------------------------------------
+# CLI
+
+
+def _parse_fields(items: Sequence[str]) -> dict:
+    out = {}
+    for it in items or []:
+        if "=" not in it:
+            raise EvalError(f"--field expects canonical=column, got {it!r}")
+        k, v = it.split("=", 1)
+        out[k.strip()] = v.strip()
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m emapg_megatron.evaluate", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--task", required=True, help="math | search (or a registered task)")
+    ap.add_argument("--data", required=True, nargs="+", help="parquet/jsonl file(s)")
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--responses", help="jsonl of precomputed responses")
+    src.add_argument("--load", metavar="CKPT", help="checkpoint to sample from (needs emapg_megatron.rollout)")
+    ap.add_argument("--n-samples", type=int, required=True, help="samples per problem (N)")
+    ap.add_argument("--out", required=True, help="output directory")
+    ap.add_argument("--k", default=None, help="comma-separated k values (default 1,2,4,..,N)")
+    ap.add_argument("--field", action="append", default=[], metavar="NAME=COLUMN",
+                    help="map a canonical field to a column (dotted paths reach nested fields)")
+    ap.add_argument("--on-bad-row", choices=["skip", "error"], default="skip")
+    ap.add_argument("--limit", type=int, default=None, help="at most this many rows per file")
+    # task options
+    ap.add_argument("--timeout", type=float, default=None, help="math: per-check timeout (s)")
+    ap.add_argument("--workers", type=int, default=None, help="math: verifier processes")
+    ap.add_argument("--think-end-tag", default=None, help="math: only grade text after this tag")
+    ap.add_argument("--retriever", default=None, help="search: corpus jsonl or http:// URL (--load only)")
+    ap.add_argument("--max-turns", type=int, default=None, help="search: model turns per episode")
+    # generation options (--load)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--max-new-tokens", type=int, default=1024)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("-v", "--verbose", action="store_true")
+    return ap
+
+
+def _make_task(args) -> Any:
+    from .tasks import get_task
+
+    kw: dict = {}
+    if args.task == "math":
+        if args.timeout is not None:
+            kw["timeout"] = args.timeout
+        if args.workers is not None:
+            kw["num_workers"] = args.workers
+        if args.think_end_tag:
+            kw["think_end_tag"] = args.think_end_tag
+    elif args.task == "search":
+        if args.retriever:
+            kw["retriever"] = args.retriever
+        if args.max_turns is not None:
+            kw["max_turns"] = args.max_turns
+    try:
+        return get_task(args.task, **kw)
+    except ImportError as e:
+        raise EvalError(str(e)) from None
+    except ValueError as e:
+        raise EvalError(str(e)) from None
+
+
+def run(args) -> dict:
+    if args.n_samples < 1:
+        raise EvalError("--n-samples must be >= 1")
+    from .tasks.passk import _check, default_ks
+
+    ks = default_ks(args.n_samples) if not args.k else _check(
+        [int(x) for x in args.k.split(",") if x.strip()], args.n_samples)
+    task = _make_task(args)
+    try:
+        fields = _parse_fields(args.field)
+        try:
+            ds = task.load(args.data if len(args.data) > 1 else args.data[0], fields=fields,
+                           on_bad_row=args.on_bad_row, limit=args.limit)
+        except (FileNotFoundError, KeyError, ValueError) as e:
+            raise EvalError(str(e).strip('"')) from None
+        rows = ds.to_list()
+        if not rows:
+            raise EvalError("no rows to evaluate")
+        if args.responses:
+            responses = read_responses(args.responses, rows, args.n_samples)
+            source = {"responses": os.path.abspath(args.responses)}
+        else:
+            backend = load_backend(args.load, temperature=args.temperature, top_p=args.top_p,
+                                   max_new_tokens=args.max_new_tokens, seed=args.seed)
+            responses = generate_responses(task, rows, backend, args.n_samples,
+                                           tokenizer=getattr(backend, "tokenizer", None))
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "responses.jsonl"), "w") as f:
+                for row, resps in zip(rows, responses):
+                    f.write(json.dumps({"index": int(row["_index"]), "file": row.get("_file"),
+                                        "responses": resps}) + "\n")
+            source = {"checkpoint": args.load}
+        correct = score(task, rows, responses)
+    finally:
+        task.close()
+    summary = summarize(rows, correct, ks)
+    meta = {"task": args.task, "data": [os.path.abspath(d) for d in args.data],
+            "n_samples": args.n_samples, **source}
+    paths = write_report(args.out, summary, meta, rows, correct)
+    return {"summary": summary, "paths": paths}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        out = run(args)
+    except EvalError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    s = out["summary"]
+    ks = [k for k in s["ks"] if k != 1]
+    print(f"{'data_source':<24} {'n':>5} {'pass@1':>8} " + " ".join(f"{'pass@' + str(k):>9}" for k in ks))
+    items = list(s["by_source"].items()) + [("overall", s["overall"])]
+    for name, b in items:
+        print(f"{name:<24} {b['n_problems']:>5} {b['pass@1']:>8.4f} "
+              + " ".join(f"{b['pass@k'][str(k)]:>9.4f}" for k in ks))
+    print(f"wrote {out['paths']['json']}, {out['paths']['markdown']}, {out['paths']['png']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

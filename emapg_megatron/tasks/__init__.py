@@ -1,0 +1,78 @@
+"""RL tasks: prompts, rewards, environments and data loading (no Megatron, no torch).
+
+* :mod:`.base` - the :class:`Task` / :class:`Environment` interface and trajectory masks.
+* :mod:`.data` - loading local parquet/jsonl into ``datasets.Dataset`` with bad-row reporting.
+* :mod:`.math` - math reward (``math-verify`` in a timed worker pool) and :class:`MathTask`.
+* :mod:`.search` - Search-R1 environment, QA reward and :class:`SearchTask`.
+* :mod:`.retriever` - BM25 (``bm25s``) retriever, its loopback HTTP service and client.
+* :mod:`.passk` - the unbiased pass@k estimator.
+
+Heavy modules (``math``, ``search``, ``retriever``) are imported on first use.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict
+
+from .base import (
+    ROLE_MODEL,
+    ROLE_OBSERVATION,
+    ROLE_PROMPT,
+    Environment,
+    Segment,
+    StepResult,
+    Task,
+    TokenizerLike,
+    build_token_ids_and_mask,
+    encode_text,
+    render_prompt,
+)
+
+__all__ = [
+    "Task",
+    "Environment",
+    "Segment",
+    "StepResult",
+    "TokenizerLike",
+    "build_token_ids_and_mask",
+    "encode_text",
+    "render_prompt",
+    "ROLE_MODEL",
+    "ROLE_OBSERVATION",
+    "ROLE_PROMPT",
+    "get_task",
+    "register_task",
+    "available_tasks",
+]
+
+
+def _math(**kw: Any) -> Task:
+    from .math import MathTask
+
+    return MathTask(**kw)
+
+
+def _search(**kw: Any) -> Task:
+    from .search import SearchTask
+
+    return SearchTask(**kw)
+
+
+_REGISTRY: Dict[str, Callable[..., Task]] = {"math": _math, "search": _search}
+
+
+def register_task(name: str, factory: Callable[..., Task]) -> None:
+    """Make ``get_task(name, **kw)`` call ``factory(**kw)``."""
+    _REGISTRY[name] = factory
+
+
+def available_tasks() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def get_task(name: str, **kwargs: Any) -> Task:
+    """Build a task by name (``math``, ``search``, or a registered one) with config overrides."""
+    try:
+        factory = _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown task {name!r}; available: {available_tasks()}") from None
+    return factory(**kwargs)

@@ -1,0 +1,288 @@
+"""The task interface used by the trainer and by ``evaluate``.
+
+A task owns everything about one RL problem family that is *not* the model: how a data row
+becomes a prompt string, how a response is scored, and, for multi-turn tasks, the environment
+that answers the model between turns. It knows nothing about Megatron or torch.
+
+Tokenizers are duck-typed (:class:`TokenizerLike`): anything with ``encode(str) -> list[int]``
+and ``decode(list[int]) -> str``; ``apply_chat_template`` is used when present and the tokenizer
+actually carries a template. Hugging Face tokenizers fit, and so does a ten-line toy tokenizer.
+
+How a trainer uses a task (single turn)::
+
+    prompts = task.prompts(rows, tokenizer)            # list[str], one per row
+    responses = engine.generate(prompts, stop=task.stop_strings)
+    rewards = task.rewards(responses, rows)            # list[float]
+    # loss mask: 1 on every response token, prompt tokens are not part of the response
+
+Multi turn (``task.multi_turn`` is True)::
+
+    env = task.make_env(row)
+    text = prompt
+    for _ in range(env.max_turns):
+        out = engine.generate([text], stop=task.stop_strings,
+                              max_new_tokens=env.max_turn_tokens)[0]
+        res = env.step(out)                  # the text the model produced in *this* turn
+        text += res.model_text               # the env may cut text after the closing tag
+        if res.done:
+            break
+        text += res.observation              # observation tokens get loss_mask 0
+    ids, mask = build_token_ids_and_mask(env.segments, tokenizer)
+    reward = task.reward(env.response_text, row)
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Optional, Protocol, Sequence, runtime_checkable
+
+__all__ = [
+    "TokenizerLike",
+    "Segment",
+    "StepResult",
+    "Environment",
+    "Task",
+    "encode_text",
+    "build_token_ids_and_mask",
+    "render_prompt",
+    "ROLE_PROMPT",
+    "ROLE_MODEL",
+    "ROLE_OBSERVATION",
+]
+
+ROLE_PROMPT = "prompt"
+ROLE_MODEL = "model"
+ROLE_OBSERVATION = "observation"
+_ROLES = (ROLE_PROMPT, ROLE_MODEL, ROLE_OBSERVATION)
+
+
+@runtime_checkable
+class TokenizerLike(Protocol):
+    """The minimum a task needs from a tokenizer."""
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+def encode_text(tokenizer: Any, text: str) -> list[int]:
+    """Encode ``text`` without adding special tokens (BOS/EOS).
+
+    Hugging Face tokenizers add BOS by default, which would corrupt a trajectory built from
+    segments, so ``add_special_tokens=False`` is passed when the tokenizer accepts it.
+    """
+    if text == "":
+        return []
+    try:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+    except TypeError:
+        ids = tokenizer.encode(text)
+    return [int(i) for i in ids]
+
+
+def _has_chat_template(tokenizer: Any) -> bool:
+    if tokenizer is None or not callable(getattr(tokenizer, "apply_chat_template", None)):
+        return False
+    # HF tokenizers always have the method but raise when no template is configured.
+    if hasattr(tokenizer, "chat_template"):
+        return bool(getattr(tokenizer, "chat_template"))
+    return True
+
+
+def render_prompt(
+    user_text: str,
+    tokenizer: Any = None,
+    *,
+    chat_template: str = "auto",
+    system: Optional[str] = None,
+    plain_template: str = "{content}",
+) -> str:
+    """Turn the user message into the prompt string given to the sampler.
+
+    ``chat_template``: ``"auto"`` uses the tokenizer's chat template when it has one,
+    ``"always"`` requires one (ValueError otherwise), ``"never"`` uses ``plain_template``
+    (a ``str.format`` template with ``{content}``; ``system`` is prepended with a blank line).
+    """
+    if chat_template not in ("auto", "always", "never"):
+        raise ValueError(f"chat_template must be auto|always|never, got {chat_template!r}")
+    use_chat = chat_template == "always" or (chat_template == "auto" and _has_chat_template(tokenizer))
+    if use_chat:
+        if not _has_chat_template(tokenizer):
+            raise ValueError("chat_template='always' but the tokenizer has no chat template")
+        messages = []
+        if system:
+            messages.append({"role": "system", "content": system})
+        messages.append({"role": "user", "content": user_text})
+        out = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        if not isinstance(out, str):  # some implementations ignore tokenize=False
+            out = tokenizer.decode(list(out))
+        return out
+    text = plain_template.format(content=user_text)
+    if system:
+        text = system + "\n\n" + text
+    return text
+
+
+@dataclass
+class Segment:
+    """One contiguous piece of a trajectory.
+
+    ``role`` is ``"model"`` (sampled by the policy: loss_mask 1), ``"observation"``
+    (written by the environment: loss_mask 0) or ``"prompt"`` (loss_mask 0).
+    ``token_ids``, when given, are used as they are instead of re-encoding ``text``: pass the
+    ids the sampler actually produced so that the trained tokens are exactly the sampled ones.
+    """
+
+    text: str
+    role: str
+    token_ids: Optional[list[int]] = None
+
+    def __post_init__(self) -> None:
+        if self.role not in _ROLES:
+            raise ValueError(f"segment role must be one of {_ROLES}, got {self.role!r}")
+
+
+def build_token_ids_and_mask(
+    segments: Iterable[Segment], tokenizer: Any
+) -> tuple[list[int], list[int]]:
+    """Token ids of a trajectory and its loss mask (1 = model token, 0 = anything else).
+
+    Each segment is encoded on its own (no special tokens) and the pieces are concatenated,
+    which is exactly how a trainer that appends observation tokens after sampled tokens builds
+    the sequence the policy conditions on. ``len(ids) == len(mask)`` always holds, and the
+    mask is 0 on exactly the tokens that came from prompt/observation segments.
+    """
+    ids: list[int] = []
+    mask: list[int] = []
+    for seg in segments:
+        seg_ids = list(seg.token_ids) if seg.token_ids is not None else encode_text(tokenizer, seg.text)
+        ids.extend(int(i) for i in seg_ids)
+        mask.extend([1 if seg.role == ROLE_MODEL else 0] * len(seg_ids))
+    return ids, mask
+
+
+@dataclass
+class StepResult:
+    """What :meth:`Environment.step` returns.
+
+    ``model_text``: the model's turn as the environment accepted it (cut after the first
+    closing action tag; equal to the input when nothing was cut). ``observation``: text to
+    append after it with loss_mask 0, or ``None`` when ``done``. ``info``: diagnostics
+    (``action``, ``query``, ``answer``, ``reason``, ``turn``, ...).
+    """
+
+    model_text: str
+    observation: Optional[str]
+    done: bool
+    info: dict = field(default_factory=dict)
+
+
+class Environment(abc.ABC):
+    """A multi-turn environment for one episode (one prompt, one sample)."""
+
+    #: maximum number of model turns in one episode
+    max_turns: int = 1
+    #: per-turn token budget for the sampler (``max_new_tokens`` of each turn); None = no limit
+    max_turn_tokens: Optional[int] = None
+
+    def __init__(self) -> None:
+        self.segments: list[Segment] = []
+        self.done: bool = False
+
+    @abc.abstractmethod
+    def step(self, model_text: str, token_ids: Optional[Sequence[int]] = None) -> StepResult:
+        """Consume the text the model produced in this turn; return the observation or done."""
+
+    @property
+    def response_text(self) -> str:
+        """All model and observation text after the prompt, in order."""
+        return "".join(s.text for s in self.segments if s.role != ROLE_PROMPT)
+
+
+class Task(abc.ABC):
+    """A family of RL problems: prompts, rewards, optional environment, data fields."""
+
+    #: registry name (``math``, ``search``, ...)
+    name: str = ""
+    #: whether :meth:`make_env` returns an environment
+    multi_turn: bool = False
+    #: canonical field names every row must carry after loading
+    required_fields: tuple[str, ...] = ()
+    #: default mapping canonical field -> column in the files (dotted paths reach nested fields)
+    default_fields: Mapping[str, str] = {}
+
+    # ----- data -----------------------------------------------------------------------------
+    def load(self, path: str, *, fields: Optional[Mapping[str, str]] = None,
+             on_bad_row: str = "skip", limit: Optional[int] = None):
+        """Load a local parquet/jsonl file into a ``datasets.Dataset`` with canonical fields."""
+        from .data import load_rows
+
+        mapping = dict(self.default_fields)
+        mapping.update(fields or {})
+        return load_rows(
+            path,
+            fields=mapping,
+            required=self.required_fields,
+            on_bad_row=on_bad_row,
+            normalize=self.normalize_row,
+            limit=limit,
+        )
+
+    def normalize_row(self, row: dict) -> dict:
+        """Coerce the canonical fields of one row (raise ValueError for a bad row)."""
+        return row
+
+    # ----- prompts ----------------------------------------------------------------------------
+    @abc.abstractmethod
+    def prompt(self, row: Mapping[str, Any], tokenizer: Any = None) -> str:
+        """The prompt string for one row."""
+
+    def prompts(self, rows: Iterable[Mapping[str, Any]], tokenizer: Any = None) -> list[str]:
+        """Prompt strings for a batch of rows (a list of dicts or a ``datasets`` batch)."""
+        return [self.prompt(r, tokenizer) for r in _iter_rows(rows)]
+
+    #: strings at which the sampler should stop a turn (kept in the output)
+    @property
+    def stop_strings(self) -> list[str]:
+        return []
+
+    # ----- rewards ----------------------------------------------------------------------------
+    @abc.abstractmethod
+    def reward(self, response: str, row: Mapping[str, Any]) -> float:
+        """Training reward of one response (correctness plus any shaping)."""
+
+    @abc.abstractmethod
+    def correct(self, response: str, row: Mapping[str, Any]) -> bool:
+        """Whether the response is correct (no shaping); used by evaluation."""
+
+    def rewards(self, responses: Sequence[str], rows: Iterable[Mapping[str, Any]]) -> list[float]:
+        rows = list(_iter_rows(rows))
+        if len(rows) != len(responses):
+            raise ValueError(f"{len(responses)} responses for {len(rows)} rows")
+        return [self.reward(resp, row) for resp, row in zip(responses, rows)]
+
+    def correct_many(self, responses: Sequence[str], rows: Iterable[Mapping[str, Any]]) -> list[bool]:
+        rows = list(_iter_rows(rows))
+        if len(rows) != len(responses):
+            raise ValueError(f"{len(responses)} responses for {len(rows)} rows")
+        return [self.correct(resp, row) for resp, row in zip(responses, rows)]
+
+    # ----- environment ------------------------------------------------------------------------
+    def make_env(self, row: Mapping[str, Any], tokenizer: Any = None) -> Optional[Environment]:
+        """A fresh environment for one episode, or None for single-turn tasks."""
+        return None
+
+    def close(self) -> None:
+        """Release worker processes / connections held by the task."""
+
+
+def _iter_rows(rows: Any) -> Iterable[Mapping[str, Any]]:
+    """Accept a list of dicts, a ``datasets.Dataset`` or a column batch (dict of lists)."""
+    if isinstance(rows, Mapping):
+        cols = list(rows.values())
+        lengths = {len(c) for c in cols if isinstance(c, (list, tuple))}
+        if len(lengths) != 1 or not all(isinstance(c, (list, tuple)) for c in cols):
+            raise TypeError("pass a sequence of rows or a column batch (dict of equal-length lists)")
+        n = lengths.pop()
+        return [{k: rows[k][i] for k in rows} for i in range(n)]
+    return rows

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from emapg_megatron.algo.advantages import compute_advantages
 from emapg_megatron.algo.policy_loss import LossConfig, normaliser, policy_loss_terms
+from emapg_megatron.tasks.base import encode_text
 from emapg_megatron.training.schedule import (concat_outputs, forward_backward, forward_only,
                                               split_microbatches)
 
@@ -46,7 +47,7 @@ def shifted(batch_tokens: torch.Tensor, per_token: torch.Tensor) -> torch.Tensor
     return out
 
 
-def training_batch(rollout, advantages: torch.Tensor) -> dict:
+def training_batch(rollout) -> dict:
     labels = torch.zeros_like(rollout.tokens)
     labels[:, :-1] = rollout.tokens[:, 1:]
     return {
@@ -54,7 +55,6 @@ def training_batch(rollout, advantages: torch.Tensor) -> dict:
         "labels": labels,
         "mask": shifted(rollout.tokens, rollout.loss_mask),
         "sampling_logprob": shifted(rollout.tokens, rollout.sampling_logprobs),
-        "advantages": advantages,
     }
 
 
@@ -178,7 +178,7 @@ class Trainer:
         rows = self.data.rows_for_step(iteration, self.rollout_batch_size)
         per_rank = len(rows) // dp
         local_rows = rows[dp_rank * per_rank:(dp_rank + 1) * per_rank]
-        prompts = [self.tokenizer.encode(self.task.prompt(r, self.tokenizer)) for r in local_rows]
+        prompts = [encode_text(self.tokenizer, self.task.prompt(r, self.tokenizer)) for r in local_rows]
         n = self.cfg.num_samples
         batch = self.sampler.generate(
             prompts, n, self.cfg.temperature, self.cfg.top_p, self.cfg.max_new_tokens,
@@ -189,16 +189,32 @@ class Trainer:
         texts = [self.tokenizer.decode(r) for r in rollout.responses]
         return torch.tensor(self.task.rewards(texts, rows), dtype=torch.float32)
 
-    def advantages(self, local_rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """GRPO advantages over the global batch; returns (local advantages, all rewards)."""
-        dp, dp_rank, group = self._dp()
-        gathered = [torch.empty_like(local_rewards) for _ in range(dp)]
-        dist.all_gather(gathered, local_rewards, group=group)
-        rewards = torch.cat(gathered)
-        adv = compute_advantages(rewards, self.cfg.num_samples, self.cfg.advantage_norm,
+    def shaped_rewards(self, rewards: torch.Tensor, batch: dict) -> torch.Tensor:
+        """R - coef * sequence KL(pi_old || pi_ema) (the WARP baseline), where the passes ran."""
+        coef = self.cfg.kl_in_reward_coef
+        if not coef or "ref_logprob" not in batch:  # off, or not the last pipeline stage
+            return rewards
+        from emapg_megatron.kl import sequence_kl_penalized_reward
+
+        return sequence_kl_penalized_reward(rewards, batch["old_logprob"], batch["ref_logprob"],
+                                            batch["mask"], coef).float()
+
+    def gather_over_dp(self, local: torch.Tensor) -> torch.Tensor:
+        dp, _, group = self._dp()
+        parts = [torch.empty_like(local) for _ in range(dp)]
+        dist.all_gather(parts, local, group=group)
+        return torch.cat(parts)
+
+    def local_advantages(self, all_rewards: torch.Tensor) -> torch.Tensor:
+        """GRPO advantages over the global batch, sliced to this DP rank's sequences.
+
+        Only the last pipeline stage uses them.
+        """
+        _, dp_rank, _ = self._dp()
+        adv = compute_advantages(all_rewards, self.cfg.num_samples, self.cfg.advantage_norm,
                                  self.cfg.advantage_eps)
-        n_local = local_rewards.numel()
-        return adv[dp_rank * n_local:(dp_rank + 1) * n_local], rewards
+        n_local = all_rewards.numel() // self._dp()[0]
+        return adv[dp_rank * n_local:(dp_rank + 1) * n_local]
 
     def no_grad_passes(self, batch: dict) -> dict:
         mbs = split_microbatches(batch, self.cfg.micro_batch_size)
@@ -239,8 +255,11 @@ class Trainer:
         t0 = time.monotonic()
         rollout, rows = self.rollout(iteration)
         rewards = self.score(rollout, rows)
-        adv, all_rewards = self.advantages(rewards)
-        batch = self.no_grad_passes(training_batch(rollout, adv))
+        batch = self.no_grad_passes(training_batch(rollout))
+        all_rewards = self.gather_over_dp(rewards)
+        shaped = self.shaped_rewards(rewards, batch)
+        shaped_all = all_rewards if shaped is rewards else self.gather_over_dp(shaped)
+        batch["advantages"] = self.local_advantages(shaped_all)
         t_passes = time.monotonic()
         stats = self.update(batch)
         self.anchor.step(iteration)

@@ -1,0 +1,126 @@
+"""The trainer launched by torchrun: layouts agree with one rank, resume is bit-exact,
+SIGTERM checkpoints, NaN steps are skipped and counted."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from emapg_megatron.multiprocess import free_port, run_distributed
+from trainer_workers import save_initial_weights
+
+pytestmark = pytest.mark.slow
+
+BASE = ["--preset", "tiny-cpu", "--rollout-batch-size", "4", "--num-samples-per-prompt", "4",
+        "--micro-batch-size", "4", "--global-batch-size", "8", "--ppo-epochs", "1",
+        "--ema-update-period", "1", "--ema-eta", "0.5", "--max-new-tokens", "4",
+        "--tensor-model-parallel-size", "1", "--untie-embeddings-and-output-weights"]
+
+
+def torchrun(nproc, argv, log_dir, timeout=300, wait=True):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+           "--master_port", str(free_port()), "-m", "emapg_megatron.train", *BASE, *argv,
+           "--log-dir", str(log_dir)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_DEVICE_MAX_CONNECTIONS="1")
+    if not wait:
+        return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def metrics(log_dir):
+    with open(os.path.join(log_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.fixture(scope="module")
+def init_ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("init")
+    run_distributed(save_initial_weights, 1, args=(str(path), BASE))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def reference(init_ckpt, tmp_path_factory):
+    log = tmp_path_factory.mktemp("ref")
+    r = torchrun(1, ["--train-iters", "3", "--pretrained-checkpoint", init_ckpt], log)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return metrics(log)
+
+
+COMPARED = ("reward_mean", "kl", "pg_loss", "entropy", "clip_frac", "ema_lag")
+
+
+@pytest.mark.parametrize("layout", [
+    ["--tensor-model-parallel-size", "2"],
+    ["--pipeline-model-parallel-size", "2"],
+    ["--use-distributed-optimizer"],  # DP=2
+])
+def test_layouts_match_single_rank(layout, init_ckpt, reference, tmp_path):
+    r = torchrun(2, ["--train-iters", "3", "--pretrained-checkpoint", init_ckpt, *layout], tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    got = metrics(tmp_path)
+    assert [m["step"] for m in got] == [1, 2, 3]
+    for ref_m, m in zip(reference, got):
+        assert m["reward_mean"] == ref_m["reward_mean"]  # identical samples
+        for k in COMPARED:
+            assert m[k] == pytest.approx(ref_m[k], rel=1e-4, abs=1e-6), (k, m["step"])
+    assert any(m["ema_lag"] > 0 for m in got)  # the policy moved away from the anchor
+
+
+def test_resume_is_bit_exact_and_continues_to_the_total(init_ckpt, reference, tmp_path):
+    first, second = tmp_path / "a", tmp_path / "b"
+    ckpt = tmp_path / "ckpt"
+    common = ["--pretrained-checkpoint", init_ckpt, "--save", str(ckpt)]
+    r = torchrun(1, ["--train-iters", "2", *common], first)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "2"
+    r = torchrun(1, ["--train-iters", "3", "--load", str(ckpt), *common], second)
+    assert r.returncode == 0, r.stdout + r.stderr
+    resumed = metrics(second)
+    assert [m["step"] for m in resumed] == [3]
+    for k in COMPARED:
+        assert resumed[0][k] == reference[2][k], k  # bit for bit
+    assert not any(p.name.endswith(".tmp") for p in ckpt.iterdir())
+
+
+def test_corrupt_checkpoint_tracker_is_a_clear_error(tmp_path):
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("garbage")
+    r = torchrun(1, ["--train-iters", "1", "--load", str(tmp_path)], tmp_path / "log")
+    assert r.returncode != 0
+    assert "corrupt latest_checkpointed_iteration.txt" in r.stdout + r.stderr
+
+
+def test_nan_steps_are_skipped_counted_and_stop_the_run(tmp_path):
+    poisoned = tmp_path / "poisoned"
+    run_distributed(save_initial_weights, 1, args=(str(poisoned), BASE, True))
+    r = torchrun(1, ["--train-iters", "5", "--max-skipped-steps", "1",
+                     "--pretrained-checkpoint", str(poisoned)], tmp_path / "log")
+    assert r.returncode != 0
+    assert "steps skipped for non-finite loss or gradients" in r.stdout + r.stderr
+    ms = metrics(tmp_path / "log")
+    assert [m["skipped"] for m in ms] == [1.0, 1.0]
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_cleanly(init_ckpt, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    proc = torchrun(2, ["--train-iters", "200", "--tensor-model-parallel-size", "2",
+                        "--pretrained-checkpoint", init_ckpt, "--save", str(ckpt)],
+                    tmp_path / "log", wait=False)
+    deadline = time.time() + 240
+    log = tmp_path / "log" / "metrics.jsonl"
+    while time.time() < deadline and not (log.exists() and log.read_text().count("\n") >= 2):
+        time.sleep(0.5)
+    import psutil
+
+    for worker in psutil.Process(proc.pid).children():  # the training ranks, as a scheduler would
+        worker.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    assert "signal received" in out
+    step = int((ckpt / "latest_checkpointed_iteration.txt").read_text())
+    assert 2 <= step < 200

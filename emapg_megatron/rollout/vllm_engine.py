@@ -1,0 +1,518 @@
+"""vLLM rollout engine, colocated with the Megatron trainer on the same GPUs.
+
+Layout. Every training rank (``torchrun`` process) hosts one vLLM worker:
+``LLM(distributed_executor_backend="external_launcher")`` joins the trainer's process group and
+forms vLLM TP groups of ``tensor_parallel_size`` consecutive ranks; the remaining factor of the
+world is vLLM's "external data parallel" dimension (every group generates on its own). Megatron
+orders TP fastest too, so when ``tensor_parallel_size`` divides the trainer's TP a vLLM group
+sits inside one Megatron model-parallel group and sees that group's prompts. When the two
+layouts differ (vLLM TP < trainer TP, or PP > 1) the batch of the group's first rank is
+broadcast over the model-parallel group, so every stage trains on the same samples.
+
+Memory. With ``sleep_level`` 1 or 2 the engine sleeps while the trainer runs
+(``enable_sleep_mode=True``; level 1 backs the weights up in CPU memory, level 2 drops them,
+the KV cache is always dropped). :meth:`VLLMEngine.update_weights` wakes only the weights,
+loads the trainer's weights bucket by bucket and resets the prefix cache;
+:meth:`VLLMEngine.generate` wakes the KV cache, samples and puts everything back to sleep.
+
+Log-probs. ``SamplingParams(logprobs=0)`` returns the sampled token's log-prob. We rely on
+``LLM(logprobs_mode="processed_logprobs")`` (vLLM >= 0.10.2): the log-softmax of the logits
+*after* temperature and top-k/top-p, i.e. log pi_sampling, which the KL estimators' importance
+weight needs. vLLM's default (``raw_logprobs``) is the untempered, untruncated model
+distribution, and older vLLM has no choice at all; the engine refuses those versions.
+:func:`logprob_mismatch` compares the recorded log-probs with the trainer's recomputed ones.
+
+Weights. The engine starts with ``load_format="dummy"`` (nothing read from disk): the first
+generate syncs from the trainer (``model_chunks``) through
+:func:`emapg_megatron.rollout.weight_sync.sync_weights`, which streams HF-named full tensors
+into the worker's ``model.load_weights`` via ``LLM.collective_rpc``.
+
+Importing this module never imports vLLM; constructing an engine without vLLM raises a
+one-line :class:`~emapg_megatron.runtime.ConfigError`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from emapg_megatron.rollout.engine import RolloutBatch, build_rollout_batch
+from emapg_megatron.runtime import ConfigError
+
+logger = logging.getLogger(__name__)
+
+INSTALL_HINT = ("pip install 'emapg-megatron[gpu]', or use the NGC-based image built from "
+                "docker/Dockerfile")
+MIN_VLLM = "0.10.2"  # logprobs_mode="processed_logprobs", V1 external_launcher, wake_up(tags=)
+DEFAULT_BUCKET_BYTES = 512 * 1024**2
+
+
+def import_vllm():
+    """The ``vllm`` module, or a one-line ConfigError saying how to get it."""
+    try:
+        import vllm
+    except ImportError:
+        raise ConfigError(f"the vLLM rollout engine needs vLLM, which is not installed: "
+                          f"{INSTALL_HINT}") from None
+    from packaging.version import Version
+
+    version = getattr(vllm, "__version__", "0")
+    if Version(version).release < Version(MIN_VLLM).release:
+        raise ConfigError(f"vLLM {version} is too old for the rollout engine (needs >= {MIN_VLLM} "
+                          f"for processed log-probs): {INSTALL_HINT}")
+    return vllm
+
+
+# --- configuration --------------------------------------------------------------------
+@dataclass
+class VLLMConfig:
+    hf_dir: str  # tokenizer and config.json; weights come from the trainer
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.5  # of the whole GPU, weights + KV cache, while awake
+    dtype: str = "bfloat16"
+    sleep_level: int = 1  # 0: never sleep (vLLM keeps its memory during training)
+    enforce_eager: bool = False  # True skips CUDA-graph capture (faster start, slower decode)
+    enable_prefix_caching: bool = True  # the n samples of a prompt share its prefill
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    seed: int = 1234
+    per_request_seed: bool = True  # samples independent of the DP layout (costs some speed)
+    llm_kwargs: dict = field(default_factory=dict)  # anything else for vllm.LLM
+
+    def validate(self, trainer_tp: int | None = None) -> None:
+        if not os.path.isfile(os.path.join(self.hf_dir, "config.json")):
+            raise ConfigError(f"vLLM needs a Hugging Face model directory with config.json and the "
+                              f"tokenizer: {self.hf_dir}")
+        if self.sleep_level not in (0, 1, 2):
+            raise ConfigError(f"vLLM sleep level must be 0, 1 or 2 (got {self.sleep_level})")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(f"vLLM gpu_memory_utilization must be in (0, 1] "
+                              f"(got {self.gpu_memory_utilization})")
+        if self.bucket_bytes <= 0:
+            raise ConfigError(f"weight-sync bucket size must be > 0 (got {self.bucket_bytes})")
+        if trainer_tp is not None and trainer_tp % self.tensor_parallel_size != 0:
+            # A vLLM TP group must not straddle two data-parallel ranks (different prompts).
+            raise ConfigError(f"vLLM tensor parallel size {self.tensor_parallel_size} must divide "
+                              f"the trainer's --tensor-model-parallel-size {trainer_tp}")
+
+    def llm_kwargs_for(self, max_model_len: int) -> dict:
+        return {
+            "model": self.hf_dir,
+            "tokenizer": self.hf_dir,
+            "dtype": self.dtype,
+            "seed": self.seed,
+            "tensor_parallel_size": self.tensor_parallel_size,
+            "distributed_executor_backend": "external_launcher",
+            "gpu_memory_utilization": self.gpu_memory_utilization,
+            "max_model_len": max_model_len,
+            "enable_sleep_mode": self.sleep_level > 0,
+            "enforce_eager": self.enforce_eager,
+            "enable_prefix_caching": self.enable_prefix_caching,
+            "load_format": "dummy",
+            "logprobs_mode": "processed_logprobs",
+            **self.llm_kwargs,
+        }
+
+
+def request_seed(base: int, step: int, index: int, turn: int = 0) -> int:
+    """A per-request sampling seed from (run seed, trainer step, global sequence index, turn)."""
+    digest = hashlib.blake2b(f"{base}:{step}:{index}:{turn}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & 0x7FFF_FFFF
+
+
+def sampled_logprobs(token_ids: Sequence[int], logprobs) -> list[float]:
+    """The log-prob of each sampled token from a vLLM ``CompletionOutput.logprobs`` list
+    (one ``{token_id: Logprob}`` mapping per position)."""
+    if logprobs is None or len(logprobs) < len(token_ids):
+        raise RuntimeError("vLLM returned no log-probs for the sampled tokens "
+                           "(SamplingParams(logprobs=0) is required)")
+    out = []
+    for pos, tok in enumerate(token_ids):
+        entry = logprobs[pos][tok]
+        out.append(float(getattr(entry, "logprob", entry)))
+    return out
+
+
+# --- sampler vs trainer log-probs --------------------------------------------------------
+def logprob_mismatch(sampling_logprobs: torch.Tensor, old_logprobs: torch.Tensor,
+                     mask: torch.Tensor, *, group=None) -> dict:
+    """How far the rollout engine's log-probs are from the trainer's recomputed ones.
+
+    All three tensors are aligned ``[S, L]`` (the trainer's label alignment). Over tokens with
+    ``mask > 0``: the mean of ``|log pi_old - log pi_sampling|`` and the largest and smallest
+    importance ratio ``pi_old / pi_sampling`` (the weight the KL tail applies at the first PPO
+    epoch). With ``group`` the statistics are reduced over that process group. No tokens:
+    mean 0, ratios 1.
+    """
+    sel = mask > 0
+    diff = (old_logprobs.double() - sampling_logprobs.double())[sel]
+    stats = torch.stack([
+        diff.abs().sum(),
+        torch.tensor(float(diff.numel()), dtype=torch.float64, device=diff.device),
+        diff.max() if diff.numel() else torch.tensor(-torch.inf, dtype=torch.float64, device=diff.device),
+        -diff.min() if diff.numel() else torch.tensor(-torch.inf, dtype=torch.float64, device=diff.device),
+    ])
+    if group is not None:
+        sums, extremes = stats[:2].clone(), stats[2:].clone()
+        dist.all_reduce(sums, group=group)
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
+        stats = torch.cat([sums, extremes])
+    abs_sum, count, max_log, neg_min_log = stats.tolist()
+    if count == 0:
+        return {"logprob_abs_diff_mean": 0.0, "importance_ratio_max": 1.0,
+                "importance_ratio_min": 1.0, "logprob_tokens": 0}
+    return {"logprob_abs_diff_mean": abs_sum / count,
+            "importance_ratio_max": float(torch.tensor(max_log, dtype=torch.float64).exp()),
+            "importance_ratio_min": float(torch.tensor(-neg_min_log, dtype=torch.float64).exp()),
+            "logprob_tokens": int(count)}
+
+
+# --- multi-turn episodes -------------------------------------------------------------------
+@dataclass
+class Turn:
+    """One sampled continuation: the ids, their sampling log-probs and the decoded text."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str
+    finish_reason: str | None = None
+
+
+class Episode:
+    """One multi-turn trajectory after its prompt: model turns (loss mask 1) interleaved with
+    environment observations (mask 0), kept as ids, mask and sampling log-probs.
+
+    The environment may cut a turn after its first closing action tag; when the kept model
+    segment is a prefix of the sampled ids, those ids and their log-probs are kept. If the
+    environment had to re-encode the text instead, the re-encoded tokens were not sampled, so
+    they get mask 0 (counted in ``unaligned_tokens``). Everything is cut at ``max_len`` tokens
+    including the prompt (``truncated``).
+    """
+
+    def __init__(self, prompt_ids: Sequence[int], env, tokenizer, max_len: int):
+        self.prompt_ids = [int(i) for i in prompt_ids]
+        self.env = env
+        self.tokenizer = tokenizer
+        self.max_len = max_len
+        self.ids: list[int] = []
+        self.mask: list[int] = []
+        self.logprobs: list[float] = []
+        self.unaligned_tokens = 0
+        self.truncated = False
+
+    def room(self) -> int:
+        return self.max_len - len(self.prompt_ids) - len(self.ids)
+
+    @property
+    def done(self) -> bool:
+        return self.env.done or self.room() < 1
+
+    def history(self) -> list[int]:
+        return self.prompt_ids + self.ids
+
+    def turn_budget(self, default: int) -> int:
+        return max(0, min(self.env.max_turn_tokens or default, self.room()))
+
+    def add_turn(self, turn: Turn) -> None:
+        from emapg_megatron.tasks.base import encode_text
+
+        before = len(self.env.segments)
+        self.env.step(turn.text, token_ids=turn.token_ids)
+        new = self.env.segments[before:]
+        model = new[0]
+        kept = None if model.token_ids is None else [int(i) for i in model.token_ids]
+        if kept is not None and kept == list(turn.token_ids[:len(kept)]):
+            self._extend(kept, 1, list(turn.logprobs[:len(kept)]))
+        else:
+            ids = encode_text(self.tokenizer, model.text)
+            self.unaligned_tokens += len(ids)
+            self._extend(ids, 0, [0.0] * len(ids))
+        for seg in new[1:]:
+            ids = seg.token_ids if seg.token_ids is not None else encode_text(self.tokenizer, seg.text)
+            self._extend([int(i) for i in ids], 0, [0.0] * len(ids))
+
+    def _extend(self, ids: list[int], mask: int, logprobs: list[float]) -> None:
+        keep = max(0, self.room())
+        if len(ids) > keep:
+            self.truncated = True
+            ids, logprobs = ids[:keep], logprobs[:keep]
+        self.ids += ids
+        self.mask += [mask] * len(ids)
+        self.logprobs += logprobs
+
+
+def pack_episodes(episodes: Sequence[Episode], n: int, seq_length: int, pad_id: int) -> RolloutBatch:
+    """Prompt-major episodes (``n`` per prompt) as a RolloutBatch with the episodes' masks."""
+    prompts = [episodes[i].prompt_ids for i in range(0, len(episodes), n)]
+    batch = build_rollout_batch(prompts, [e.ids for e in episodes], [e.logprobs for e in episodes],
+                                seq_length, pad_id, n)
+    for s, ep in enumerate(episodes):
+        start = len(ep.prompt_ids)
+        batch.loss_mask[s, start:start + len(ep.mask)] = torch.tensor(ep.mask, dtype=batch.loss_mask.dtype)
+    return batch
+
+
+# --- keeping a model-parallel group on one batch ----------------------------------------
+def broadcast_rollout_batch(batch: RolloutBatch, *, src: int, group) -> RolloutBatch:
+    """Every rank of ``group`` gets rank ``src``'s batch (all ranks pass same-shaped batches)."""
+    from emapg_megatron import runtime
+
+    device = runtime.device()
+    lengths = torch.tensor([len(r) for r in batch.responses], dtype=torch.long)
+    parts = [t.to(device, copy=True) for t in (batch.tokens, batch.loss_mask,
+                                               batch.sampling_logprobs, batch.prompt_lengths, lengths)]
+    for t in parts:
+        dist.broadcast(t, src=src, group=group)
+    tokens, mask, lps, plens, lengths = (t.cpu() for t in parts)
+    responses = [tokens[s, plens[s]:plens[s] + lengths[s]].tolist() for s in range(tokens.shape[0])]
+    return RolloutBatch(tokens, mask, lps, plens, responses)
+
+
+def _load_weights_on_worker(worker, weights) -> None:
+    # Runs inside the vLLM worker (in this process: external_launcher, in-process engine core).
+    worker.model_runner.model.load_weights(weights=weights)
+
+
+# --- the engine -----------------------------------------------------------------------------
+class VLLMEngine:
+    """:class:`~emapg_megatron.rollout.engine.RolloutEngine` on a colocated vLLM.
+
+    Construct it on every rank at the same time (a collective). Preferably construct it before
+    the trainer allocates its model and optimizer: vLLM sizes its KV cache from
+    ``gpu_memory_utilization`` of the whole GPU and refuses to start if that much is not free.
+    """
+
+    def __init__(self, cfg: VLLMConfig, model_cfg, *, seq_length: int, pad_id: int,
+                 model_chunks=None, trainer_tp: int | None = None, pipeline_parallel: int = 1):
+        vllm = import_vllm()
+        cfg.validate(trainer_tp)
+        # The worker (and its model) must live in this process for load_weights.
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        self.cfg = cfg
+        self.model_cfg = model_cfg
+        self.seq_length = seq_length
+        self.pad_id = pad_id
+        self.model_chunks = model_chunks
+        self._sampling_params_cls = vllm.SamplingParams
+        self.llm = vllm.LLM(**cfg.llm_kwargs_for(seq_length))
+        self.tokenizer = self.llm.get_tokenizer()
+        self.needs_broadcast = (pipeline_parallel > 1 or
+                                (trainer_tp is not None and trainer_tp != cfg.tensor_parallel_size))
+        self._weights_awake = self._kv_awake = True
+        self._weights_valid = False  # dummy weights until the first sync
+        self._depth = 0
+        self.last_sync = None
+        self._sleep()
+
+    # --- memory states ---------------------------------------------------------------
+    def _sleep(self) -> None:
+        if not self.cfg.sleep_level:
+            return
+        self.llm.sleep(level=self.cfg.sleep_level)
+        self._weights_awake = self._kv_awake = False
+        if self.cfg.sleep_level == 2:
+            self._weights_valid = False  # level 2 drops the weights: resync before generating
+
+    def _wake(self, tag: str) -> None:
+        self.llm.wake_up(tags=[tag])
+        if tag == "weights":
+            self._weights_awake = True
+        else:
+            self._kv_awake = True
+
+    @contextlib.contextmanager
+    def awake(self):
+        """Weights current and KV cache allocated inside; asleep again after (re-entrant)."""
+        if self._depth == 0:
+            if not self._weights_valid:
+                if self.model_chunks is None:
+                    raise RuntimeError("VLLMEngine holds dummy weights: call "
+                                       "update_weights(model_chunks) before generating")
+                self.update_weights(self.model_chunks)
+            elif not self._weights_awake:
+                self._wake("weights")
+            if not self._kv_awake:
+                self._wake("kv_cache")
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+            if self._depth == 0:
+                self._sleep()
+
+    # --- weights -------------------------------------------------------------------------
+    def _load(self, bucket) -> None:
+        self.llm.collective_rpc(_load_weights_on_worker, args=(bucket,))
+
+    def update_weights(self, model_chunks=None):
+        """Copy the trainer's current weights into vLLM; returns (and keeps) the SyncStats.
+
+        The weights stay awake afterwards: the next generate only has to wake the KV cache.
+        """
+        from emapg_megatron.rollout.weight_sync import sync_weights
+
+        if model_chunks is not None:
+            self.model_chunks = model_chunks
+        if not self._weights_awake:
+            self._wake("weights")  # the KV cache stays released while new weights stream in
+        stats = sync_weights(self.model_chunks, self.model_cfg, self._load,
+                             bucket_bytes=self.cfg.bucket_bytes)
+        self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
+        self._weights_valid = True
+        self.last_sync = stats
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            logger.info("weight sync: %.2f GB in %.2f s (%.1f GB/s, %d buckets)",
+                        stats.bytes / 1e9, stats.seconds, stats.gbps, stats.buckets)
+        return stats
+
+    def metrics(self) -> dict:
+        return self.last_sync.metrics() if self.last_sync is not None else {}
+
+    # --- sampling --------------------------------------------------------------------------
+    def _params(self, *, n: int, temperature: float, top_p: float, max_tokens: int,
+                stop: Sequence[str] | None, seed: int | None):
+        return self._sampling_params_cls(
+            n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
+            stop=list(stop) if stop else None, include_stop_str_in_output=True,
+            logprobs=0, seed=seed if self.cfg.per_request_seed else None)
+
+    def _run(self, token_histories: Sequence[Sequence[int]], params: list):
+        inputs = [{"prompt_token_ids": [int(i) for i in h]} for h in token_histories]
+        with self.awake():
+            return self.llm.generate(inputs, params, use_tqdm=False)
+
+    def _agree(self, batch: RolloutBatch) -> RolloutBatch:
+        if not self.needs_broadcast:
+            return batch
+        from megatron.core import parallel_state as ps
+
+        group = ps.get_model_parallel_group()
+        return broadcast_rollout_batch(batch, src=dist.get_process_group_ranks(group)[0], group=group)
+
+    def generate(self, prompts: Sequence[Sequence[int]], n: int, temperature: float, top_p: float,
+                 max_new_tokens: int, *, stop: Sequence[str] | None = None, rng_step: int = 0,
+                 rng_offset: int = 0, rng_total: int | None = None) -> RolloutBatch:
+        """``n`` samples per prompt, prompt-major. ``rng_offset`` is the global index of this
+        rank's first sequence (as for the Megatron sampler); ``rng_total`` is unused."""
+        from emapg_megatron.rollout.megatron_sampler import warn_if_truncated_sampling
+
+        warn_if_truncated_sampling(top_p)
+        longest = max((len(p) for p in prompts), default=0)
+        if longest + max_new_tokens > self.seq_length:
+            raise ValueError(f"prompt ({longest}) + --max-new-tokens ({max_new_tokens}) "
+                             f"exceeds --seq-length {self.seq_length}")
+        first = rng_offset // n
+        params = [self._params(n=n, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens,
+                               stop=stop, seed=request_seed(self.cfg.seed, rng_step, first + i))
+                  for i in range(len(prompts))]
+        responses, logprobs = [], []
+        for out in self._run(prompts, params):
+            for comp in sorted(out.outputs, key=lambda c: c.index):
+                ids = [int(t) for t in comp.token_ids]
+                responses.append(ids)
+                logprobs.append(sampled_logprobs(ids, comp.logprobs))
+        return self._agree(build_rollout_batch(prompts, responses, logprobs, self.seq_length,
+                                               self.pad_id, n))
+
+    def continue_histories(self, histories: Sequence[Sequence[int]], *, temperature: float,
+                           top_p: float, max_new_tokens: int | Sequence[int],
+                           stop: Sequence[str] | None = None,
+                           seeds: Sequence[int] | None = None) -> list[Turn]:
+        """One continuation per token-id history (prompt + earlier turns + observations)."""
+        budgets = ([max_new_tokens] * len(histories) if isinstance(max_new_tokens, int)
+                   else list(max_new_tokens))
+        seeds = list(seeds) if seeds is not None else [None] * len(histories)
+        params = [self._params(n=1, temperature=temperature, top_p=top_p, max_tokens=m, stop=stop,
+                               seed=s) for m, s in zip(budgets, seeds)]
+        turns = []
+        for out in self._run(histories, params):
+            comp = out.outputs[0]
+            ids = [int(t) for t in comp.token_ids]
+            turns.append(Turn(ids, sampled_logprobs(ids, comp.logprobs), comp.text,
+                              comp.finish_reason))
+        return turns
+
+    def generate_episodes(self, prompts: Sequence[Sequence[int]], n: int, envs: Sequence[Any], *,
+                          tokenizer, temperature: float, top_p: float, max_new_tokens: int,
+                          stop: Sequence[str] | None = None, rng_step: int = 0,
+                          rng_offset: int = 0) -> tuple[RolloutBatch, list[Episode]]:
+        """Multi-turn rollouts: ``envs`` holds one fresh environment per sequence (prompt-major).
+
+        Each round continues every unfinished episode by one model turn (at most the env's
+        ``max_turn_tokens``, else ``max_new_tokens``, and never past ``seq_length``), then lets
+        its environment answer. The batch's loss mask is 0 on observations.
+        """
+        from emapg_megatron.rollout.megatron_sampler import warn_if_truncated_sampling
+
+        warn_if_truncated_sampling(top_p)
+        if len(envs) != len(prompts) * n:
+            raise ValueError(f"{len(envs)} environments for {len(prompts)} prompts x {n} samples")
+        episodes = [Episode(prompts[s // n], envs[s], tokenizer, self.seq_length)
+                    for s in range(len(envs))]
+        turn = 0
+        with self.awake():
+            while active := [s for s, ep in enumerate(episodes) if not ep.done]:
+                turns = self.continue_histories(
+                    [episodes[s].history() for s in active], temperature=temperature, top_p=top_p,
+                    max_new_tokens=[episodes[s].turn_budget(max_new_tokens) for s in active],
+                    stop=stop,
+                    seeds=[request_seed(self.cfg.seed, rng_step, rng_offset + s, turn) for s in active])
+                for s, t in zip(active, turns):
+                    episodes[s].add_turn(t)
+                turn += 1
+        return self._agree(pack_episodes(episodes, n, self.seq_length, self.pad_id)), episodes
+
+
+# --- evaluation backend (python -m emapg_megatron.evaluate --load HF_DIR) ---------------------
+class VLLMGenerationBackend:
+    """The :class:`emapg_megatron.evaluate.GenerationBackend` on a standalone vLLM."""
+
+    def __init__(self, llm, *, temperature: float, top_p: float, max_new_tokens: int, seed: int):
+        from vllm import SamplingParams
+
+        self.llm = llm
+        self.tokenizer = llm.get_tokenizer()
+        self._sampling_params_cls = SamplingParams
+        self.temperature, self.top_p = temperature, top_p
+        self.max_new_tokens, self.seed = max_new_tokens, seed
+        self.calls = 0
+
+    def __call__(self, prompts: list[str], n: int, *, stop: Sequence[str] | None = None,
+                 max_new_tokens: int | None = None, **_: Any) -> list[list[str]]:
+        from emapg_megatron.tasks.base import encode_text
+
+        params = [self._sampling_params_cls(
+            n=n, temperature=self.temperature, top_p=self.top_p,
+            max_tokens=max_new_tokens or self.max_new_tokens, stop=list(stop) if stop else None,
+            include_stop_str_in_output=True, seed=request_seed(self.seed, self.calls, i))
+            for i in range(len(prompts))]
+        self.calls += 1
+        # Prompt strings are already rendered (chat template included): no extra BOS.
+        inputs = [{"prompt_token_ids": encode_text(self.tokenizer, p)} for p in prompts]
+        outs = self.llm.generate(inputs, params, use_tqdm=True)
+        return [[c.text for c in sorted(o.outputs, key=lambda c: c.index)] for o in outs]
+
+
+def load_generation_backend(ckpt: str, *, temperature: float = 1.0, top_p: float = 1.0,
+                            max_new_tokens: int = 1024, seed: int = 0, tensor_parallel_size: int = 1,
+                            gpu_memory_utilization: float = 0.9, max_model_len: int | None = None,
+                            dtype: str = "bfloat16", **llm_kwargs) -> VLLMGenerationBackend:
+    """vLLM on a Hugging Face directory (a trainer checkpoint goes through
+    ``emapg-convert mcore-to-hf`` first)."""
+    vllm = import_vllm()
+    if not os.path.isfile(os.path.join(ckpt, "config.json")):
+        raise ConfigError(f"{ckpt} is not a Hugging Face model directory (no config.json); export "
+                          f"a trainer checkpoint with `emapg-convert mcore-to-hf` first")
+    llm = vllm.LLM(model=ckpt, tensor_parallel_size=tensor_parallel_size, dtype=dtype, seed=seed,
+                   gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
+                   **llm_kwargs)
+    return VLLMGenerationBackend(llm, temperature=temperature, top_p=top_p,
+                                 max_new_tokens=max_new_tokens, seed=seed)

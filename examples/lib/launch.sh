@@ -1,0 +1,65 @@
+# shellcheck shell=bash
+# Sourced by the example scripts. Launches the trainer with torchrun on NNODES x NPROC GPUs, or,
+# with DRY_RUN=1, validates the whole configuration in one CPU process (reads only config.json:
+# no weights, no tokenizer, no GPU) for the same world size.
+#
+# Multi-node: run the same script on every node with NNODES, NODE_RANK (0..NNODES-1),
+# MASTER_ADDR (node 0's address) and MASTER_PORT set; see docker/README.md.
+set -euo pipefail
+
+: "${NNODES:=1}" "${NPROC:=8}" "${NODE_RANK:=0}" "${MASTER_ADDR:=127.0.0.1}" "${MASTER_PORT:=29500}"
+: "${DRY_RUN:=0}"
+PYTHON=${PYTHON:-python3}
+
+require_env() {  # require_env NAME...: fail with one line if a variable is unset or empty
+    local name
+    for name in "$@"; do
+        if [[ -z "${!name:-}" ]]; then
+            echo "error: set $name (see the comments at the top of $(basename "$0"))" >&2
+            exit 2
+        fi
+    done
+}
+
+emapg_train() {  # emapg_train TRAINER_FLAGS...
+    if [[ "$DRY_RUN" == 1 ]]; then
+        exec "$PYTHON" -m emapg_megatron.train --dry-run --world-size "$((NNODES * NPROC))" "$@"
+    fi
+    # Megatron orders TP communication after compute only with one CUDA connection.
+    export CUDA_DEVICE_MAX_CONNECTIONS=1
+    # vLLM's sleep mode allocates through its own CUDA memory pool, which does not support
+    # expandable segments: never set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True here.
+    exec torchrun --nnodes "$NNODES" --nproc-per-node "$NPROC" --node-rank "$NODE_RANK" \
+        --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" -m emapg_megatron.train "$@"
+}
+
+emapg_convert_to_hf() {  # emapg_convert_to_hf CKPT OUT TEMPLATE: trainer checkpoint -> HF dir
+    local cmd=("$PYTHON" -m emapg_megatron.checkpoint.cli mcore-to-hf --load "$1" --out "$2"
+               --hf-template "$3")
+    if [[ "$DRY_RUN" == 1 ]]; then
+        echo "dry run: ${cmd[*]}" >&2
+        return 0
+    fi
+    [[ -f "$2/config.json" ]] && { echo "using the existing HF export $2" >&2; return 0; }
+    "${cmd[@]}"
+}
+
+emapg_evaluate() {  # emapg_evaluate EVALUATE_FLAGS...
+    if [[ "$DRY_RUN" == 1 ]]; then
+        # Parse the flags with evaluate's own parser and check the data files; generate nothing.
+        "$PYTHON" - "$@" <<'PY'
+import os
+import sys
+
+from emapg_megatron.evaluate import build_parser
+
+args = build_parser().parse_args(sys.argv[1:])
+missing = [d for d in args.data if not os.path.exists(d)]
+if missing:
+    sys.exit(f"error: --data file(s) not found: {' '.join(missing)}")
+print("dry run: python -m emapg_megatron.evaluate " + " ".join(sys.argv[1:]))
+PY
+        return
+    fi
+    "$PYTHON" -m emapg_megatron.evaluate "$@"
+}

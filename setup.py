@@ -26,7 +26,7 @@ setup(
         "test": ["pytest", "pytest-timeout", "hypothesis"],
         "math": ["math-verify"],
         "search": ["bm25s"],
-        "gpu": ["transformer-engine[pytorch]", "vllm"],
+        "gpu": ["transformer-engine[pytorch]", "vllm>=0.10.2"],
     },
     entry_points={
         "console_scripts": [

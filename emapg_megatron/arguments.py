@@ -25,7 +25,7 @@ PRESETS_PACKAGE = "emapg_megatron.presets"
 def _groups(p: argparse.ArgumentParser):
     return {name: p.add_argument_group(name) for name in (
         "run", "parallel", "model", "precision", "optimization", "checkpointing", "logging",
-        "rollout", "grpo", "kl", "ema")}
+        "rollout", "task", "vllm", "grpo", "kl", "ema")}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -127,6 +127,27 @@ def build_parser() -> argparse.ArgumentParser:
     a("--temperature", type=float, default=1.0, help="sampling temperature")
     a("--top-p", type=float, default=1.0,
       help="nucleus sampling; < 1 biases the KL estimators unless the sampling log-prob is used")
+
+    a = g["task"].add_argument
+    a("--chat-template", default="auto", choices=("auto", "always", "never"),
+      help="wrap prompts in the tokenizer's chat template (auto: when it has one)")
+    a("--math-format-bonus", type=float, default=0.0, help="math: reward bonus for a boxed answer")
+    a("--max-turns", type=int, default=4, help="search: model turns per episode")
+    a("--max-turn-tokens", type=int, default=500, help="search: token budget of one model turn")
+    a("--max-obs-tokens", type=int, default=500, help="search: token budget of one observation")
+    a("--retriever", default=None,
+      help="search: corpus jsonl (in-process BM25) or http:// URL of a retriever service")
+    a("--retriever-topk", type=int, default=3, help="search: passages per search")
+
+    a = g["vllm"].add_argument
+    a("--vllm-tensor-parallel-size", type=int, default=None,
+      help="vLLM's TP degree (default: the trainer's)")
+    a("--vllm-gpu-memory-utilization", type=float, default=0.5,
+      help="fraction of GPU memory vLLM may use while awake")
+    a("--vllm-sleep-level", type=int, default=1, choices=(0, 1, 2),
+      help="vLLM sleep mode during training: 0 never sleeps, 1 offloads weights and frees KV cache")
+    a("--vllm-weight-sync-bucket-mb", type=int, default=512, help="weight-sync bucket size (MiB)")
+    a("--vllm-enforce-eager", action="store_true", help="skip CUDA-graph capture in vLLM")
 
     a = g["grpo"].add_argument
     a("--advantage-norm", default="group", choices=("group", "global", "none"),
@@ -244,6 +265,10 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     _check(args.task == "synthetic-copy" or args.data_path is not None,
            f"--task {args.task} needs --data-path")
     _check(args.fp8_format is None or args.bf16, "--fp8-format needs --bf16")
+    _check(args.task != "search" or args.retriever is not None, "--task search needs --retriever")
+    _check(args.rollout_engine != "vllm" or args.load_hf is not None,
+           "--rollout-engine vllm needs --load-hf (vLLM reads the tokenizer and config from it)")
+    _check(args.max_turns >= 1, "--max-turns must be >= 1")
 
 
 def _validate_batches(args, world_size: int) -> None:

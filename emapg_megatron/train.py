@@ -32,7 +32,12 @@ def build_tokenizer_and_task(args):
     from emapg_megatron.tasks import get_task
 
     tokenizer = AutoTokenizer.from_pretrained(args.load_hf, local_files_only=True)
-    return tokenizer, get_task(args.task)
+    if args.task == "math":
+        return tokenizer, get_task("math", chat_template=args.chat_template,
+                                   format_bonus=args.math_format_bonus)
+    return tokenizer, get_task("search", retriever=args.retriever, chat_template=args.chat_template,
+                               max_turns=args.max_turns, max_turn_tokens=args.max_turn_tokens,
+                               max_obs_tokens=args.max_obs_tokens, topk=args.retriever_topk)
 
 
 def model_config(args):
@@ -125,11 +130,7 @@ def build_run(args, tokenizer, task, model_cfg):
                         shard_over_dp=args.ema_shard_over_dp, cpu_offload=args.ema_cpu_offload,
                         stability_interval=args.ema_stability_interval)
     anchor = EmaAnchor(chunks, optimizer, ema_cfg)
-    sampler = MegatronSampler(chunks, vocab_size=model_cfg.vocab_size,
-                              eos_id=getattr(tokenizer, "eos_token_id", None),
-                              pad_id=getattr(tokenizer, "pad_token_id", None) or 0,
-                              seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
-                              seed=args.seed)
+    sampler = build_rollout_engine(args, chunks, model_cfg, tokenizer)
     kl = KLConfig(args.kl_loss_type, args.kl_topk_tokens, args.kl_tail,
                   tuple(args.kl_iw_clip) if args.kl_iw_clip else None)
     loss = LossConfig(args.clip_eps_low, args.clip_eps_high, args.kl_coef, args.entropy_coef,
@@ -145,6 +146,27 @@ def build_run(args, tokenizer, task, model_cfg):
                    sampler=sampler, task=task, tokenizer=tokenizer,
                    passes=PolicyPasses(kl, loss, model_cfg.vocab_size), step_cfg=step_cfg,
                    data=PromptSchedule(rows, args.seed), rollout_batch_size=args.rollout_batch_size)
+
+
+def build_rollout_engine(args, chunks, model_cfg, tokenizer):
+    pad_id = getattr(tokenizer, "pad_token_id", None) or 0
+    if args.rollout_engine == "vllm":
+        from emapg_megatron.rollout.vllm_engine import VLLMConfig, VLLMEngine
+
+        cfg = VLLMConfig(hf_dir=args.load_hf,
+                         tensor_parallel_size=args.vllm_tensor_parallel_size or args.tensor_model_parallel_size,
+                         gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                         sleep_level=args.vllm_sleep_level, enforce_eager=args.vllm_enforce_eager,
+                         bucket_bytes=args.vllm_weight_sync_bucket_mb << 20, seed=args.seed)
+        engine = VLLMEngine(cfg, model_cfg, seq_length=args.seq_length, pad_id=pad_id)
+        engine.update_weights(chunks)
+        return engine
+    from emapg_megatron.rollout.megatron_sampler import MegatronSampler
+
+    return MegatronSampler(chunks, vocab_size=model_cfg.vocab_size,
+                           eos_id=getattr(tokenizer, "eos_token_id", None), pad_id=pad_id,
+                           seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
+                           seed=args.seed)
 
 
 def load_pretrained(chunks, optimizer, path: str) -> None:

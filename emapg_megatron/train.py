@@ -166,7 +166,7 @@ def build_rollout_engine(args, chunks, model_cfg, tokenizer):
     return MegatronSampler(chunks, vocab_size=model_cfg.vocab_size,
                            eos_id=getattr(tokenizer, "eos_token_id", None), pad_id=pad_id,
                            seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
-                           seed=args.seed)
+                           seed=args.seed, tokenizer=tokenizer)
 
 
 def load_pretrained(chunks, optimizer, path: str) -> None:

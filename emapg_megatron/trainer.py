@@ -174,19 +174,26 @@ class Trainer:
 
     # --- the step ----------------------------------------------------------------------
     def rollout(self, iteration: int):
+        """This DP rank's prompts x n samples: (batch, one row per sequence, response texts)."""
         dp, dp_rank, _ = self._dp()
         rows = self.data.rows_for_step(iteration, self.rollout_batch_size)
         per_rank = len(rows) // dp
         local_rows = rows[dp_rank * per_rank:(dp_rank + 1) * per_rank]
         prompts = [encode_text(self.tokenizer, self.task.prompt(r, self.tokenizer)) for r in local_rows]
         n = self.cfg.num_samples
-        batch = self.sampler.generate(
-            prompts, n, self.cfg.temperature, self.cfg.top_p, self.cfg.max_new_tokens,
-            rng_step=iteration, rng_offset=dp_rank * per_rank * n, rng_total=len(rows) * n)
-        return batch, [r for r in local_rows for _ in range(n)]
+        seq_rows = [r for r in local_rows for _ in range(n)]
+        common = dict(temperature=self.cfg.temperature, top_p=self.cfg.top_p,
+                      max_new_tokens=self.cfg.max_new_tokens, stop=self.task.stop_strings or None,
+                      rng_step=iteration, rng_offset=dp_rank * per_rank * n)
+        if self.task.multi_turn:
+            envs = [self.task.make_env(r, self.tokenizer) for r in seq_rows]
+            batch, episodes = self.sampler.generate_episodes(prompts, n, envs,
+                                                             tokenizer=self.tokenizer, **common)
+            return batch, seq_rows, [ep.env.response_text for ep in episodes]
+        batch = self.sampler.generate(prompts, n, **common)
+        return batch, seq_rows, [self.tokenizer.decode(r) for r in batch.responses]
 
-    def score(self, rollout, rows) -> torch.Tensor:
-        texts = [self.tokenizer.decode(r) for r in rollout.responses]
+    def score(self, texts: list[str], rows) -> torch.Tensor:
         return torch.tensor(self.task.rewards(texts, rows), dtype=torch.float32)
 
     def shaped_rewards(self, rewards: torch.Tensor, batch: dict) -> torch.Tensor:
@@ -253,8 +260,8 @@ class Trainer:
 
     def step(self, iteration: int) -> dict:
         t0 = time.monotonic()
-        rollout, rows = self.rollout(iteration)
-        rewards = self.score(rollout, rows)
+        rollout, rows, texts = self.rollout(iteration)
+        rewards = self.score(texts, rows)
         batch = self.no_grad_passes(training_batch(rollout))
         all_rewards = self.gather_over_dp(rewards)
         shaped = self.shaped_rewards(rewards, batch)

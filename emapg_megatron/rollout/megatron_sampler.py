@@ -4,19 +4,22 @@ It recomputes the full (right-padded) sequence at every decoding step instead of
 KV cache: simple, exact, and TP/PP-aware because every step is one forward-only pipeline
 schedule. Meant for CPU runs, tests and small GPU runs; vLLM is the engine at scale.
 
-Randomness is one uniform number per (sequence, step), drawn from a generator keyed by
-(seed, step) over the *global* batch, so the same global batch samples the same tokens at
-any TP/PP/DP layout: the basis of the layout-equivalence tests.
+Randomness is one uniform number per (sequence, token), drawn from a generator keyed by
+(seed, step, turn) and indexed by the sequence's place in the *global* batch, so the same
+global batch samples the same tokens at any TP/PP/DP layout: the basis of the
+layout-equivalence tests.
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
 from emapg_megatron.rollout.engine import RolloutBatch, build_rollout_batch
+from emapg_megatron.rollout.episodes import Turn, run_episodes
 from emapg_megatron.training.schedule import forward_only, split_microbatches
 
 
@@ -47,7 +50,7 @@ def sample_from_logits(logits: torch.Tensor, uniforms: torch.Tensor, temperature
 
 class MegatronSampler:
     def __init__(self, model_chunks, *, vocab_size: int, eos_id: int | None, pad_id: int,
-                 seq_length: int, micro_batch_size: int, seed: int):
+                 seq_length: int, micro_batch_size: int, seed: int, tokenizer=None):
         self.model_chunks = model_chunks
         self.vocab_size = vocab_size
         self.eos_id = eos_id
@@ -55,6 +58,7 @@ class MegatronSampler:
         self.seq_length = seq_length
         self.micro_batch_size = micro_batch_size
         self.seed = seed
+        self.tokenizer = tokenizer  # decodes turns for stop strings and environments
 
     def update_weights(self, model_chunks) -> None:
         self.model_chunks = model_chunks  # same live model: nothing to copy
@@ -83,42 +87,80 @@ class MegatronSampler:
             dist.broadcast(t, src=src, group=ps.get_pipeline_model_parallel_group())
         return tensors
 
-    def generate(self, prompts, n: int, temperature: float, top_p: float, max_new_tokens: int,
-                 *, rng_step: int = 0, rng_offset: int = 0, rng_total: int | None = None
-                 ) -> RolloutBatch:
-        """``rng_offset``/``rng_total`` place these sequences in the global batch."""
-        warn_if_truncated_sampling(top_p)
-        S = len(prompts) * n
-        rng_total = rng_total or S
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + rng_step)
-        uniforms = torch.rand(rng_total, max_new_tokens, generator=g)[rng_offset:rng_offset + S]
+    def _uniforms(self, rng_step: int, turn: int, rows: list[int], width: int) -> torch.Tensor:
+        """One uniform per (sequence, token), keyed by global sequence index: layout-independent."""
+        g = torch.Generator().manual_seed((self.seed * 1_000_003 + rng_step) * 1009 + turn)
+        total = max(rows) + 1
+        return torch.rand(total, width, generator=g)[torch.as_tensor(rows)]
+
+    def _decode(self, histories, budgets: list[int], uniforms: torch.Tensor, temperature: float,
+                top_p: float, stop: Sequence[str] | None) -> list[Turn]:
+        """Continue each history by up to its budget; stop at eos or a stop string (kept)."""
+        S = len(histories)
         tokens = torch.full((S, self.seq_length), self.pad_id, dtype=torch.long)
-        lengths = torch.zeros(S, dtype=torch.long)
-        for s in range(S):
-            p = prompts[s // n]
-            tokens[s, :len(p)] = torch.as_tensor(p)
-            lengths[s] = len(p)
-        if int(lengths.max()) + max_new_tokens > self.seq_length:
-            raise ValueError(f"prompt ({int(lengths.max())}) + --max-new-tokens ({max_new_tokens}) "
-                             f"exceeds --seq-length {self.seq_length}")
-        responses = [[] for _ in range(S)]
-        logprobs = [[] for _ in range(S)]
-        done = torch.zeros(S, dtype=torch.bool)
-        for t in range(max_new_tokens):
+        lengths = torch.tensor([len(h) for h in histories], dtype=torch.long)
+        if int((lengths + torch.tensor(budgets)).max()) > self.seq_length:
+            raise ValueError(f"prompt + new tokens exceed --seq-length {self.seq_length}")
+        for s, h in enumerate(histories):
+            tokens[s, :len(h)] = torch.as_tensor(h)
+        turns = [Turn([], [], "") for _ in range(S)]
+        done = torch.tensor([b <= 0 for b in budgets])
+        for t in range(max(budgets, default=0)):
+            if bool(done.all()):
+                break
+            ids, lp = torch.zeros(S, dtype=torch.long), torch.zeros(S)
             logits = self._next_token_logits(tokens, lengths)
-            ids = torch.zeros(S, dtype=torch.long)
-            lp = torch.zeros(S)
             if logits is not None:
                 logits[:, self.vocab_size:] = float("-inf")  # Megatron's vocab padding
                 ids, lp = sample_from_logits(logits, uniforms[:, t], temperature, top_p)
             self._broadcast_from_last_stage(ids, lp)
             for s in torch.nonzero(~done).flatten().tolist():
-                responses[s].append(int(ids[s]))
-                logprobs[s].append(float(lp[s]))
+                turn = turns[s]
+                turn.token_ids.append(int(ids[s]))
+                turn.logprobs.append(float(lp[s]))
                 tokens[s, lengths[s]] = ids[s]
                 lengths[s] += 1
-            if self.eos_id is not None:
-                done |= ids == self.eos_id
-            if bool(done.all()):
-                break
-        return build_rollout_batch(prompts, responses, logprobs, self.seq_length, self.pad_id, n)
+                done[s] = self._finished(turn, budgets[s], stop)
+        for turn in turns:
+            turn.text = self.tokenizer.decode(turn.token_ids) if self.tokenizer else ""
+        return turns
+
+    def _finished(self, turn: Turn, budget: int, stop) -> bool:
+        if self.eos_id is not None and turn.token_ids[-1] == self.eos_id:
+            turn.finish_reason = "stop"
+            return True
+        if stop and self.tokenizer is not None:
+            text = self.tokenizer.decode(turn.token_ids)
+            if any(text.endswith(s) for s in stop):
+                turn.finish_reason = "stop"
+                return True
+        if len(turn.token_ids) >= budget:
+            turn.finish_reason = "length"
+            return True
+        return False
+
+    def generate(self, prompts, n: int, temperature: float, top_p: float, max_new_tokens: int,
+                 *, stop: Sequence[str] | None = None, rng_step: int = 0, rng_offset: int = 0,
+                 rng_total: int | None = None) -> RolloutBatch:
+        """``rng_offset`` places these sequences in the global batch (sampling is layout-free)."""
+        warn_if_truncated_sampling(top_p)
+        S = len(prompts) * n
+        histories = [prompts[s // n] for s in range(S)]
+        uniforms = self._uniforms(rng_step, 0, list(range(rng_offset, rng_offset + S)), max_new_tokens)
+        turns = self._decode(histories, [max_new_tokens] * S, uniforms, temperature, top_p, stop)
+        return build_rollout_batch(prompts, [t.token_ids for t in turns], [t.logprobs for t in turns],
+                                   self.seq_length, self.pad_id, n)
+
+    def generate_episodes(self, prompts, n: int, envs, *, tokenizer, temperature: float, top_p: float,
+                          max_new_tokens: int, stop: Sequence[str] | None = None, rng_step: int = 0,
+                          rng_offset: int = 0):
+        """Multi-turn rollouts (see :func:`emapg_megatron.rollout.episodes.run_episodes`)."""
+
+        def continue_fn(histories, budgets, active, turn):
+            uniforms = self._uniforms(rng_step, turn, [rng_offset + s for s in active],
+                                      max(budgets, default=1))
+            return self._decode(histories, budgets, uniforms, temperature, top_p, stop)
+
+        return run_episodes(continue_fn, prompts, n, envs, tokenizer=tokenizer, top_p=top_p,
+                            max_new_tokens=max_new_tokens, seq_length=self.seq_length,
+                            pad_id=self.pad_id)

@@ -1,0 +1,126 @@
+"""Multi-turn episodes shared by the rollout engines (the search-agent task).
+
+An engine only has to continue token-id histories by one model turn
+(``continue_fn(histories, budgets, active, turn) -> list[Turn]``); :func:`run_episodes`
+drives the environments, keeps the sampled ids and log-probs of model turns (loss mask 1)
+and the observation tokens (mask 0), and packs the result as a :class:`RolloutBatch`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from emapg_megatron.rollout.engine import RolloutBatch, build_rollout_batch
+
+
+@dataclass
+class Turn:
+    """One sampled continuation: the ids, their sampling log-probs and the decoded text."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str
+    finish_reason: str | None = None
+
+
+class Episode:
+    """One multi-turn trajectory after its prompt: model turns (loss mask 1) interleaved with
+    environment observations (mask 0), kept as ids, mask and sampling log-probs.
+
+    The environment may cut a turn after its first closing action tag; when the kept model
+    segment is a prefix of the sampled ids, those ids and their log-probs are kept. If the
+    environment had to re-encode the text instead, the re-encoded tokens were not sampled, so
+    they get mask 0 (counted in ``unaligned_tokens``). Everything is cut at ``max_len`` tokens
+    including the prompt (``truncated``).
+    """
+
+    def __init__(self, prompt_ids: Sequence[int], env, tokenizer, max_len: int):
+        self.prompt_ids = [int(i) for i in prompt_ids]
+        self.env = env
+        self.tokenizer = tokenizer
+        self.max_len = max_len
+        self.ids: list[int] = []
+        self.mask: list[int] = []
+        self.logprobs: list[float] = []
+        self.unaligned_tokens = 0
+        self.truncated = False
+
+    def room(self) -> int:
+        return self.max_len - len(self.prompt_ids) - len(self.ids)
+
+    @property
+    def done(self) -> bool:
+        return self.env.done or self.room() < 1
+
+    def history(self) -> list[int]:
+        return self.prompt_ids + self.ids
+
+    def turn_budget(self, default: int) -> int:
+        return max(0, min(self.env.max_turn_tokens or default, self.room()))
+
+    def add_turn(self, turn: Turn) -> None:
+        from emapg_megatron.tasks.base import encode_text
+
+        before = len(self.env.segments)
+        self.env.step(turn.text, token_ids=turn.token_ids)
+        new = self.env.segments[before:]
+        model = new[0]
+        kept = None if model.token_ids is None else [int(i) for i in model.token_ids]
+        if kept is not None and kept == list(turn.token_ids[:len(kept)]):
+            self._extend(kept, 1, list(turn.logprobs[:len(kept)]))
+        else:
+            ids = encode_text(self.tokenizer, model.text)
+            self.unaligned_tokens += len(ids)
+            self._extend(ids, 0, [0.0] * len(ids))
+        for seg in new[1:]:
+            ids = seg.token_ids if seg.token_ids is not None else encode_text(self.tokenizer, seg.text)
+            self._extend([int(i) for i in ids], 0, [0.0] * len(ids))
+
+    def _extend(self, ids: list[int], mask: int, logprobs: list[float]) -> None:
+        keep = max(0, self.room())
+        if len(ids) > keep:
+            self.truncated = True
+            ids, logprobs = ids[:keep], logprobs[:keep]
+        self.ids += ids
+        self.mask += [mask] * len(ids)
+        self.logprobs += logprobs
+
+
+def pack_episodes(episodes: Sequence[Episode], n: int, seq_length: int, pad_id: int) -> RolloutBatch:
+    """Prompt-major episodes (``n`` per prompt) as a RolloutBatch with the episodes' masks."""
+    prompts = [episodes[i].prompt_ids for i in range(0, len(episodes), n)]
+    batch = build_rollout_batch(prompts, [e.ids for e in episodes], [e.logprobs for e in episodes],
+                                seq_length, pad_id, n)
+    for s, ep in enumerate(episodes):
+        start = len(ep.prompt_ids)
+        batch.loss_mask[s, start:start + len(ep.mask)] = torch.tensor(ep.mask, dtype=batch.loss_mask.dtype)
+    return batch
+
+
+def run_episodes(continue_fn: Callable[..., list[Turn]], prompts: Sequence[Sequence[int]], n: int,
+                 envs: Sequence[Any], *, tokenizer, top_p: float, max_new_tokens: int,
+                 seq_length: int, pad_id: int) -> tuple[RolloutBatch, list[Episode]]:
+    """``envs`` holds one fresh environment per sequence (prompt-major).
+
+    Each round continues every unfinished episode by one model turn (at most the env's
+    ``max_turn_tokens``, else ``max_new_tokens``, and never past ``seq_length``), then lets
+    its environment answer. The batch's loss mask is 0 on observations.
+    """
+    from emapg_megatron.rollout.megatron_sampler import warn_if_truncated_sampling
+
+    warn_if_truncated_sampling(top_p)
+    if len(envs) != len(prompts) * n:
+        raise ValueError(f"{len(envs)} environments for {len(prompts)} prompts x {n} samples")
+    episodes = [Episode(prompts[s // n], envs[s], tokenizer, seq_length) for s in range(len(envs))]
+    turn = 0
+    while active := [s for s, ep in enumerate(episodes) if not ep.done]:
+        turns = continue_fn([episodes[s].history() for s in active],
+                            [episodes[s].turn_budget(max_new_tokens) for s in active], active, turn)
+        for s, t in zip(active, turns):
+            episodes[s].add_turn(t)
+        turn += 1
+    return pack_episodes(episodes, n, seq_length, pad_id), episodes

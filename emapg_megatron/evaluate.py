@@ -164,7 +164,10 @@ def load_backend(ckpt: str, **gen_kwargs: Any) -> GenerationBackend:
             "--load needs emapg_megatron.rollout.load_generation_backend, which is not available yet "
             f"({type(e).__name__}: {e}); use --responses FILE"
         ) from None
-    return factory(ckpt, **gen_kwargs)
+    try:
+        return factory(ckpt, **gen_kwargs)
+    except ValueError as e:  # ConfigError included: a user error, one line
+        raise EvalError(str(e)) from None
 
 
 # ----------------------------------------------------------------------------------------------

@@ -75,7 +75,8 @@ class PolicyPasses:
     def old(self, logits, mb) -> dict:
         from emapg_megatron.parallel import vocab_parallel_logprobs_at, vocab_parallel_topk
 
-        out = {"old_logprob": vocab_parallel_logprobs_at(logits, mb["labels"], group=self._tp_group())}
+        out = {"old_logprob": vocab_parallel_logprobs_at(logits, mb["labels"], group=self._tp_group(),
+                                                         vocab_size=self.vocab_size)}
         if self.kl.uses_topk and self.kl.direction != "forward":
             ids, _ = vocab_parallel_topk(logits, self.kl.k, vocab_size=self.vocab_size,
                                          group=self._tp_group())
@@ -86,12 +87,14 @@ class PolicyPasses:
         from emapg_megatron.parallel import vocab_parallel_logprobs_at, vocab_parallel_topk
 
         group = self._tp_group()
-        out = {"ref_logprob": vocab_parallel_logprobs_at(logits, mb["labels"], group=group)}
+        out = {"ref_logprob": vocab_parallel_logprobs_at(logits, mb["labels"], group=group,
+                                                         vocab_size=self.vocab_size)}
         if self.kl.uses_topk and self.kl.direction == "forward":
             ids, lps = vocab_parallel_topk(logits, self.kl.k, vocab_size=self.vocab_size, group=group)
             out.update(topk_index=ids, ref_logprob_topk=lps)  # q from the anchor itself
         elif self.kl.uses_topk:
-            out["ref_logprob_topk"] = vocab_parallel_logprobs_at(logits, mb["topk_index"], group=group)
+            out["ref_logprob_topk"] = vocab_parallel_logprobs_at(logits, mb["topk_index"], group=group,
+                                                                 vocab_size=self.vocab_size)
         return out
 
     def loss_terms(self, logits, mb):
@@ -100,7 +103,8 @@ class PolicyPasses:
 
         q = mb.get("topk_index") if self.kl.uses_topk else None
         terms = vocab_parallel_policy_terms(logits, mb["labels"], q, group=self._tp_group(),
-                                            vocab_size=self.vocab_size, with_entropy=True)
+                                            vocab_size=self.vocab_size, with_entropy=True,
+                                            loss_mask=mb["mask"])
         kl = kl_from_policy_terms(
             terms, mb["labels"], q, mb.get("ref_logprob_topk"), mb["ref_logprob"],
             kind=self.kl.loss_type, tail=self.kl.tail,
@@ -268,10 +272,26 @@ class Trainer:
         shaped_all = all_rewards if shaped is rewards else self.gather_over_dp(shaped)
         batch["advantages"] = self.local_advantages(shaped_all)
         t_passes = time.monotonic()
+        mismatch = self.rollout_mismatch(batch)
         stats = self.update(batch)
         self.anchor.step(iteration)
         self.sampler.update_weights(self.model_chunks)
-        return self.step_metrics(stats, rollout, all_rewards, t0, t_passes)
+        return {**self.step_metrics(stats, rollout, all_rewards, t0, t_passes), **mismatch}
+
+    def rollout_mismatch(self, batch: dict) -> dict:
+        """Rollout engine log-probs vs the trainer's recomputed old log-probs (last stage, all DP)."""
+        from megatron.core import parallel_state as ps
+
+        from emapg_megatron.rollout.engine import logprob_mismatch
+
+        values = {"rollout_logprob_diff": 0.0, "rollout_iw_max": 0.0}
+        if self._is_last_stage():
+            m = logprob_mismatch(batch["sampling_logprob"], batch["old_logprob"], batch["mask"],
+                                 group=ps.get_data_parallel_group())
+            if _tp_rank() == 0 and ps.get_data_parallel_rank() == 0:  # one rank reports
+                values = {"rollout_logprob_diff": m["logprob_abs_diff_mean"],
+                          "rollout_iw_max": m["importance_ratio_max"]}
+        return reduce_sum(values)  # to every rank, including the logging rank
 
     def update(self, batch: dict) -> dict:
         dp, _, _ = self._dp()

@@ -52,6 +52,13 @@ def reference(init_ckpt, tmp_path_factory):
     return metrics(log)
 
 
+def test_anchor_starts_at_the_policy_and_rollout_logprobs_match(reference):
+    first = reference[0]
+    assert abs(first["kl"]) < 1e-6  # pi_theta == pi_ema before the first update
+    assert first["rollout_logprob_diff"] < 1e-5  # sampler and trainer agree (padding excluded)
+    assert reference[-1]["kl"] > 1e-5  # and the policy then moves away from the anchor
+
+
 COMPARED = ("reward_mean", "kl", "pg_loss", "entropy", "clip_frac", "ema_lag")
 
 

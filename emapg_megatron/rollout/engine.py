@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 import torch
+import torch.distributed as dist
 
 
 @dataclass
@@ -60,3 +61,36 @@ def build_rollout_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Se
         lps[s, len(prompt):end] = torch.as_tensor(lp, dtype=torch.float32)
         plens[s] = len(prompt)
     return RolloutBatch(tokens, mask, lps, plens, [list(r) for r in responses])
+
+
+def logprob_mismatch(sampling_logprobs: torch.Tensor, old_logprobs: torch.Tensor,
+                     mask: torch.Tensor, *, group=None) -> dict:
+    """How far the rollout engine's log-probs are from the trainer's recomputed ones.
+
+    All three tensors are aligned ``[S, L]`` (the trainer's label alignment). Over tokens with
+    ``mask > 0``: the mean of ``|log pi_old - log pi_sampling|`` and the largest and smallest
+    importance ratio ``pi_old / pi_sampling`` (the weight the KL tail applies at the first PPO
+    epoch). With ``group`` the statistics are reduced over that process group. No tokens:
+    mean 0, ratios 1.
+    """
+    sel = mask > 0
+    diff = (old_logprobs.double() - sampling_logprobs.double())[sel]
+    stats = torch.stack([
+        diff.abs().sum(),
+        torch.tensor(float(diff.numel()), dtype=torch.float64, device=diff.device),
+        diff.max() if diff.numel() else torch.tensor(-torch.inf, dtype=torch.float64, device=diff.device),
+        -diff.min() if diff.numel() else torch.tensor(-torch.inf, dtype=torch.float64, device=diff.device),
+    ])
+    if group is not None:
+        sums, extremes = stats[:2].clone(), stats[2:].clone()
+        dist.all_reduce(sums, group=group)
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
+        stats = torch.cat([sums, extremes])
+    abs_sum, count, max_log, neg_min_log = stats.tolist()
+    if count == 0:
+        return {"logprob_abs_diff_mean": 0.0, "importance_ratio_max": 1.0,
+                "importance_ratio_min": 1.0, "logprob_tokens": 0}
+    return {"logprob_abs_diff_mean": abs_sum / count,
+            "importance_ratio_max": float(torch.tensor(max_log, dtype=torch.float64).exp()),
+            "importance_ratio_min": float(torch.tensor(-neg_min_log, dtype=torch.float64).exp()),
+            "logprob_tokens": int(count)}

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from emapg_megatron.rollout.engine import RolloutBatch, build_rollout_batch
+from emapg_megatron.rollout.engine import RolloutBatch, build_rollout_batch, logprob_mismatch  # noqa: F401
 from emapg_megatron.rollout.episodes import Episode, Turn, pack_episodes, run_episodes  # noqa: F401
 from emapg_megatron.runtime import ConfigError
 
@@ -142,39 +142,6 @@ def sampled_logprobs(token_ids: Sequence[int], logprobs) -> list[float]:
 
 
 # --- sampler vs trainer log-probs --------------------------------------------------------
-def logprob_mismatch(sampling_logprobs: torch.Tensor, old_logprobs: torch.Tensor,
-                     mask: torch.Tensor, *, group=None) -> dict:
-    """How far the rollout engine's log-probs are from the trainer's recomputed ones.
-
-    All three tensors are aligned ``[S, L]`` (the trainer's label alignment). Over tokens with
-    ``mask > 0``: the mean of ``|log pi_old - log pi_sampling|`` and the largest and smallest
-    importance ratio ``pi_old / pi_sampling`` (the weight the KL tail applies at the first PPO
-    epoch). With ``group`` the statistics are reduced over that process group. No tokens:
-    mean 0, ratios 1.
-    """
-    sel = mask > 0
-    diff = (old_logprobs.double() - sampling_logprobs.double())[sel]
-    stats = torch.stack([
-        diff.abs().sum(),
-        torch.tensor(float(diff.numel()), dtype=torch.float64, device=diff.device),
-        diff.max() if diff.numel() else torch.tensor(-torch.inf, dtype=torch.float64, device=diff.device),
-        -diff.min() if diff.numel() else torch.tensor(-torch.inf, dtype=torch.float64, device=diff.device),
-    ])
-    if group is not None:
-        sums, extremes = stats[:2].clone(), stats[2:].clone()
-        dist.all_reduce(sums, group=group)
-        dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
-        stats = torch.cat([sums, extremes])
-    abs_sum, count, max_log, neg_min_log = stats.tolist()
-    if count == 0:
-        return {"logprob_abs_diff_mean": 0.0, "importance_ratio_max": 1.0,
-                "importance_ratio_min": 1.0, "logprob_tokens": 0}
-    return {"logprob_abs_diff_mean": abs_sum / count,
-            "importance_ratio_max": float(torch.tensor(max_log, dtype=torch.float64).exp()),
-            "importance_ratio_min": float(torch.tensor(-neg_min_log, dtype=torch.float64).exp()),
-            "logprob_tokens": int(count)}
-
-
 # --- keeping a model-parallel group on one batch ----------------------------------------
 def broadcast_rollout_batch(batch: RolloutBatch, *, src: int, group) -> RolloutBatch:
     """Every rank of ``group`` gets rank ``src``'s batch (all ranks pass same-shaped batches)."""

@@ -49,6 +49,7 @@ def _worker(rank, world_size, port, cfg, fn, args, results):
     torch.set_num_threads(threads_per_rank(world_size))
     from emapg_megatron import runtime
 
+    runtime.quiet_expected_warnings()
     try:
         runtime.initialize(cfg)
         out = fn(*args)

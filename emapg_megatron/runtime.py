@@ -70,6 +70,24 @@ def validate_parallel(cfg: ParallelConfig, world_size: int, *, check_devices: bo
         )
 
 
+# Megatron-Core warnings that are expected without Apex/TE or on CPU and drown the progress
+# lines; anything else still shows.
+_EXPECTED_WARNINGS = (
+    r"Transformer Engine and Apex are not installed",
+    r"Apex is not installed",
+    r"full scope is deprecated",
+    r".*all_gather_into_tensor.* is deprecated",
+    r"When using async grad allreduce it is recommended",
+)
+
+
+def quiet_expected_warnings() -> None:
+    import warnings
+
+    for pattern in _EXPECTED_WARNINGS:
+        warnings.filterwarnings("ignore", message=pattern)
+
+
 def _env_int(name: str, default: int) -> int:
     return int(os.environ.get(name, default))
 

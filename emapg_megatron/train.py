@@ -264,6 +264,7 @@ def train(args, trainer, logger, start: int) -> int:
 def run(argv=None) -> int:
     from emapg_megatron.metrics import MetricsLogger
 
+    runtime.quiet_expected_warnings()
     args = arguments.parse_args(argv)
     arguments.validate(args, world_size_from_env(args))  # before loading anything
     model_cfg = model_config(args)

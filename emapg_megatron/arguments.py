@@ -281,6 +281,9 @@ def _validate_batches(args, world_size: int) -> None:
     _check(rollout % gbs == 0,
            f"--global-batch-size {gbs} does not divide the rollout batch "
            f"({args.rollout_batch_size} prompts x {args.num_samples_per_prompt} samples = {rollout})")
+    _check(gbs % (args.num_samples_per_prompt * dp) == 0,
+           f"--global-batch-size {gbs} must hold whole prompt groups split evenly over data-parallel "
+           f"ranks: a multiple of --num-samples-per-prompt {args.num_samples_per_prompt} x DP {dp}")
     _check(gbs % (args.micro_batch_size * dp) == 0,
            f"--global-batch-size {gbs} is not divisible by --micro-batch-size "
            f"{args.micro_batch_size} x data-parallel size {dp}")

@@ -177,18 +177,30 @@ class Trainer:
         return ps.is_pipeline_last_stage()
 
     # --- the step ----------------------------------------------------------------------
+    def local_prompt_indices(self) -> list[int]:
+        """Which of the step's B prompts this DP rank rolls out.
+
+        Every PPO mini-batch (``mini_batch_size / n`` prompts) is split evenly over DP ranks, so
+        mini-batch m holds the same global sequences at any layout.
+        """
+        dp, dp_rank, _ = self._dp()
+        per_mini = self.cfg.mini_batch_size // self.cfg.num_samples
+        share = per_mini // dp
+        return [m + dp_rank * share + j for m in range(0, self.rollout_batch_size, per_mini)
+                for j in range(share)]
+
     def rollout(self, iteration: int):
         """This DP rank's prompts x n samples: (batch, one row per sequence, response texts)."""
-        dp, dp_rank, _ = self._dp()
         rows = self.data.rows_for_step(iteration, self.rollout_batch_size)
-        per_rank = len(rows) // dp
-        local_rows = rows[dp_rank * per_rank:(dp_rank + 1) * per_rank]
+        mine = self.local_prompt_indices()
+        local_rows = [rows[i] for i in mine]
         prompts = [encode_text(self.tokenizer, self.task.prompt(r, self.tokenizer)) for r in local_rows]
         n = self.cfg.num_samples
         seq_rows = [r for r in local_rows for _ in range(n)]
+        seq_index = [i * n + k for i in mine for k in range(n)]
         common = dict(temperature=self.cfg.temperature, top_p=self.cfg.top_p,
                       max_new_tokens=self.cfg.max_new_tokens, stop=self.task.stop_strings or None,
-                      rng_step=iteration, rng_offset=dp_rank * per_rank * n)
+                      rng_step=iteration, seq_index=seq_index)
         if self.task.multi_turn:
             envs = [self.task.make_env(r, self.tokenizer) for r in seq_rows]
             batch, episodes = self.sampler.generate_episodes(prompts, n, envs,

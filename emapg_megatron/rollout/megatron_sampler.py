@@ -140,24 +140,26 @@ class MegatronSampler:
         return False
 
     def generate(self, prompts, n: int, temperature: float, top_p: float, max_new_tokens: int,
-                 *, stop: Sequence[str] | None = None, rng_step: int = 0, rng_offset: int = 0,
-                 rng_total: int | None = None) -> RolloutBatch:
-        """``rng_offset`` places these sequences in the global batch (sampling is layout-free)."""
+                 *, stop: Sequence[str] | None = None, rng_step: int = 0,
+                 seq_index: Sequence[int] | None = None) -> RolloutBatch:
+        """``seq_index``: each sequence's index in the global batch (keys its randomness)."""
         warn_if_truncated_sampling(top_p)
         S = len(prompts) * n
         histories = [prompts[s // n] for s in range(S)]
-        uniforms = self._uniforms(rng_step, 0, list(range(rng_offset, rng_offset + S)), max_new_tokens)
+        rows = list(seq_index) if seq_index is not None else list(range(S))
+        uniforms = self._uniforms(rng_step, 0, rows, max_new_tokens)
         turns = self._decode(histories, [max_new_tokens] * S, uniforms, temperature, top_p, stop)
         return build_rollout_batch(prompts, [t.token_ids for t in turns], [t.logprobs for t in turns],
                                    self.seq_length, self.pad_id, n)
 
     def generate_episodes(self, prompts, n: int, envs, *, tokenizer, temperature: float, top_p: float,
                           max_new_tokens: int, stop: Sequence[str] | None = None, rng_step: int = 0,
-                          rng_offset: int = 0):
+                          seq_index: Sequence[int] | None = None):
         """Multi-turn rollouts (see :func:`emapg_megatron.rollout.episodes.run_episodes`)."""
 
         def continue_fn(histories, budgets, active, turn):
-            uniforms = self._uniforms(rng_step, turn, [rng_offset + s for s in active],
+            index = seq_index if seq_index is not None else range(len(envs))
+            uniforms = self._uniforms(rng_step, turn, [index[s] for s in active],
                                       max(budgets, default=1))
             return self._decode(histories, budgets, uniforms, temperature, top_p, stop)
 

@@ -282,9 +282,9 @@ class VLLMEngine:
 
     def generate(self, prompts: Sequence[Sequence[int]], n: int, temperature: float, top_p: float,
                  max_new_tokens: int, *, stop: Sequence[str] | None = None, rng_step: int = 0,
-                 rng_offset: int = 0, rng_total: int | None = None) -> RolloutBatch:
-        """``n`` samples per prompt, prompt-major. ``rng_offset`` is the global index of this
-        rank's first sequence (as for the Megatron sampler); ``rng_total`` is unused."""
+                 seq_index: Sequence[int] | None = None) -> RolloutBatch:
+        """``n`` samples per prompt, prompt-major. ``seq_index`` is each sequence's index in the
+        global batch (as for the Megatron sampler); it keys the per-prompt seeds."""
         from emapg_megatron.rollout.megatron_sampler import warn_if_truncated_sampling
 
         warn_if_truncated_sampling(top_p)
@@ -292,10 +292,11 @@ class VLLMEngine:
         if longest + max_new_tokens > self.seq_length:
             raise ValueError(f"prompt ({longest}) + --max-new-tokens ({max_new_tokens}) "
                              f"exceeds --seq-length {self.seq_length}")
-        first = rng_offset // n
+        prompt_index = ([seq_index[i * n] // n for i in range(len(prompts))] if seq_index is not None
+                        else range(len(prompts)))
         params = [self._params(n=n, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens,
-                               stop=stop, seed=request_seed(self.cfg.seed, rng_step, first + i))
-                  for i in range(len(prompts))]
+                               stop=stop, seed=request_seed(self.cfg.seed, rng_step, p))
+                  for p in prompt_index]
         responses, logprobs = [], []
         for out in self._run(prompts, params):
             for comp in sorted(out.outputs, key=lambda c: c.index):
@@ -326,11 +327,12 @@ class VLLMEngine:
     def generate_episodes(self, prompts: Sequence[Sequence[int]], n: int, envs: Sequence[Any], *,
                           tokenizer, temperature: float, top_p: float, max_new_tokens: int,
                           stop: Sequence[str] | None = None, rng_step: int = 0,
-                          rng_offset: int = 0) -> tuple[RolloutBatch, list[Episode]]:
+                          seq_index: Sequence[int] | None = None) -> tuple[RolloutBatch, list[Episode]]:
         """Multi-turn rollouts (see :func:`emapg_megatron.rollout.episodes.run_episodes`)."""
 
         def continue_fn(histories, budgets, active, turn):
-            seeds = [request_seed(self.cfg.seed, rng_step, rng_offset + s, turn) for s in active]
+            index = seq_index if seq_index is not None else range(len(envs))
+            seeds = [request_seed(self.cfg.seed, rng_step, index[s], turn) for s in active]
             return self.continue_histories(histories, temperature=temperature, top_p=top_p,
                                            max_new_tokens=budgets, stop=stop, seeds=seeds)
 

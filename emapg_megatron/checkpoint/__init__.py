@@ -1,0 +1,26 @@
+"""HF <-> Megatron-Core weights: one mapping table, the converter and the rollout weight export.
+
+* :mod:`.hf_mapping` - the table (:data:`RULES`, :class:`HFMapping`): per Megatron param and TP
+  rank, the slice of the HF tensors (import); from all TP shards, the HF tensors (export)
+* :mod:`.hf_config`  - HF ``config.json`` <-> :class:`~emapg_megatron.models.gpt.ModelConfig`
+* :mod:`.hf_io`      - lazy safetensors reading, sharded safetensors writing
+* :mod:`.weights`    - :func:`load_hf_weights` (``--load-hf``), :func:`export_hf_weights` (weight sync)
+* :mod:`.convert`    - ``hf-to-mcore`` / ``mcore-to-hf``, atomic ``torch_dist`` save / load
+* :mod:`.verify`     - logit comparison against ``transformers``
+* :mod:`.cli`        - ``emapg-convert``
+
+See ``docs/checkpoints.md``.
+"""
+
+from .convert import (METADATA, atomic_dir, checkpoint_metadata, checkpoint_model_config, hf_to_mcore,
+                      load_mcore, mcore_to_hf, read_checkpoint_metadata, save_mcore)
+from .hf_config import hf_config_from_model, model_config_from_hf, read_hf_config
+from .hf_mapping import RULES, HFMapping
+from .weights import export_hf_buckets, export_hf_weights, load_hf_weights
+
+__all__ = [
+    "METADATA", "RULES", "HFMapping", "atomic_dir", "checkpoint_metadata", "checkpoint_model_config",
+    "export_hf_buckets", "export_hf_weights", "hf_config_from_model", "hf_to_mcore", "load_hf_weights",
+    "load_mcore", "mcore_to_hf", "model_config_from_hf", "read_checkpoint_metadata", "read_hf_config",
+    "save_mcore",
+]

@@ -1,0 +1,282 @@
+"""HF <-> Megatron-Core ``torch_dist`` checkpoints, and atomic model checkpoint save / load.
+
+``hf_to_mcore`` runs in one process: it builds the model at TP=1/PP=1, streams the HF tensors into
+it (one full copy of the weights in memory, never two) and saves Megatron's own
+``sharded_state_dict``. ``torch_dist`` ShardedTensors carry global shapes and offsets, so
+Megatron reshards the result to any TP/PP on load. ``mcore_to_hf`` loads the checkpoint the same
+way and streams the HF tensors into size-bounded safetensors shards.
+
+Every output directory is written under a temporary name next to the target and renamed only
+when complete: a failure leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from emapg_megatron.checkpoint.hf_config import (
+    check_same_architecture,
+    hf_config_from_model,
+    hf_dtype,
+    model_config_from_hf,
+    read_hf_config,
+)
+from emapg_megatron.checkpoint.hf_io import (
+    SafetensorsReader,
+    StreamingSafetensorsWriter,
+    copy_tokenizer_files,
+)
+from emapg_megatron.checkpoint.hf_mapping import HFMapping
+from emapg_megatron.checkpoint.weights import export_hf_weights, high_precision, load_hf_weights
+from emapg_megatron.models.gpt import ModelConfig, PrecisionConfig, build_gpt_model
+from emapg_megatron.runtime import ConfigError
+from emapg_megatron.training.model_and_optimizer import unwrap
+
+METADATA = "emapg_model_config.json"
+FORMAT = "emapg-mcore-v1"
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+DTYPES = tuple(TORCH_DTYPES)
+# One process, nothing to communicate: small buckets only bound the export's transient copies.
+EXPORT_BUCKET_BYTES = 64 * 1024**2
+
+
+# --- atomic directories -------------------------------------------------------------------
+
+
+def _check_writable(out: Path, overwrite: bool) -> None:
+    if out.exists() and not overwrite:
+        raise ConfigError(f"{out} already exists (pass --overwrite to replace it)")
+
+
+def _with_umask(mode: int) -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return mode & ~umask
+
+
+def _temp_dir_for(out: Path) -> Path:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    tmp.chmod(_with_umask(0o777))  # mkdtemp's 0700 would outlive the rename
+    return tmp
+
+
+def _commit(tmp: Path, out: Path) -> None:
+    """Move the finished ``tmp`` to ``out`` (replacing an old ``out`` only now)."""
+    old = None
+    if out.exists():
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        out.rename(old)
+    tmp.rename(out)
+    if old is not None:
+        shutil.rmtree(old)
+
+
+@contextmanager
+def atomic_dir(out: str | Path, *, overwrite: bool = False):
+    """Yield a temporary directory that becomes ``out`` on success and vanishes on failure."""
+    out = Path(out)
+    _check_writable(out, overwrite)
+    tmp = _temp_dir_for(out)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _commit(tmp, out)
+
+
+# --- Megatron checkpoints -----------------------------------------------------------------
+
+
+def _sharded_state_dict(model_chunks) -> dict:
+    if len(model_chunks) == 1:
+        return {"model": unwrap(model_chunks[0]).sharded_state_dict()}
+    return {f"model{i}": unwrap(c).sharded_state_dict() for i, c in enumerate(model_chunks)}
+
+
+def checkpoint_metadata(cfg: ModelConfig, arch: str, dtype: str, *, tp: int, pp: int,
+                        hf_config: dict | None = None) -> dict:
+    """What :data:`METADATA` records so a checkpoint loads without the HF directory."""
+    return {"format": FORMAT, "architecture": arch, "model_config": cfg.to_dict(), "dtype": dtype,
+            "saved_tp": tp, "saved_pp": pp, "hf_config": hf_config}
+
+
+def read_checkpoint_metadata(ckpt_dir: str | Path) -> dict:
+    path = Path(ckpt_dir) / METADATA
+    if not path.is_file():
+        raise ConfigError(f"{ckpt_dir} has no {METADATA}: not a checkpoint written by emapg-megatron")
+    meta = json.loads(path.read_text())
+    if meta.get("format") != FORMAT:
+        raise ConfigError(f"{path}: unknown format {meta.get('format')!r} (expected {FORMAT})")
+    return meta
+
+
+def checkpoint_model_config(ckpt_dir: str | Path) -> ModelConfig:
+    """The :class:`ModelConfig` stored with a checkpoint (for ``--load`` without ``--load-hf``)."""
+    return ModelConfig.from_dict(read_checkpoint_metadata(ckpt_dir)["model_config"])
+
+
+def save_mcore(model_chunks, out_dir: str | Path, metadata: dict, *, overwrite: bool = False) -> None:
+    """Collective: save the model chunks as a ``torch_dist`` checkpoint plus :data:`METADATA`.
+
+    Rank 0 owns the temporary directory and renames it once every rank has written its shards.
+    """
+    from megatron.core import dist_checkpointing
+
+    for chunk in model_chunks:
+        for name, p in unwrap(chunk).named_parameters():
+            high_precision(name, p.detach())
+    out = Path(out_dir)
+    rank = dist.get_rank()
+    shared = [None, None]  # temp dir, error
+    if rank == 0:
+        try:
+            _check_writable(out, overwrite)
+            shared[0] = str(_temp_dir_for(out))
+        except ConfigError as e:
+            shared[1] = str(e)
+    dist.broadcast_object_list(shared, src=0)
+    if shared[1]:
+        raise ConfigError(shared[1])
+    tmp = Path(shared[0])
+    try:
+        dist_checkpointing.save(_sharded_state_dict(model_chunks), str(tmp))
+        if rank == 0:
+            (tmp / METADATA).write_text(json.dumps(metadata, indent=2) + "\n")
+        dist.barrier()
+    except BaseException:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if rank == 0:
+        _commit(tmp, out)
+    dist.barrier()
+
+
+def load_mcore(model_chunks, ckpt_dir: str | Path) -> None:
+    """Collective: load a ``torch_dist`` checkpoint into this rank's chunks, at any TP/PP.
+
+    The vocabulary padding may differ from the saved one (Megatron marks the embedding and
+    output layer ``allow_shape_mismatch``).
+    """
+    from megatron.core import dist_checkpointing
+
+    if not (Path(ckpt_dir) / "metadata.json").is_file():
+        raise ConfigError(f"{ckpt_dir} is not a Megatron dist checkpoint (no metadata.json)")
+    sharded = _sharded_state_dict(model_chunks)
+    loaded = dist_checkpointing.load(sharded, str(ckpt_dir))
+    for key, chunk in zip(sharded, model_chunks):
+        unwrap(chunk).load_state_dict(loaded[key])
+
+
+# --- single-process conversion ------------------------------------------------------------
+
+
+@contextmanager
+def single_process_runtime():
+    """A world of one CPU rank (TP=PP=1) for the converter; reuses an existing one-rank world."""
+    from megatron.core import parallel_state as ps
+
+    from emapg_megatron import runtime
+    from emapg_megatron.multiprocess import free_port
+
+    if ps.model_parallel_is_initialized():
+        if dist.get_world_size() != 1:
+            raise ConfigError("checkpoint conversion runs in a single process, not inside a "
+                              f"{dist.get_world_size()}-rank job")
+        yield
+        return
+    if int(os.environ.get("WORLD_SIZE", "1")) != 1:
+        raise ConfigError("run the converter as a single process (not under torchrun)")
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(free_port()))
+    runtime.initialize(runtime.ParallelConfig(device="cpu"))
+    try:
+        yield
+    finally:
+        runtime.destroy()
+
+
+def _build_tp1(cfg: ModelConfig, tp: int, dtype: str):
+    # Padded as a TP=tp model is, so the stored embedding has exactly that model's shape.
+    padded = replace(cfg, make_vocab_size_divisible_by=cfg.make_vocab_size_divisible_by * tp)
+    model = build_gpt_model(padded, prec=PrecisionConfig(bf16=dtype == "bf16"))
+    # As Megatron's Float16Module does: the local spec's norms are created in fp32.
+    return model.bfloat16() if dtype == "bf16" else model
+
+
+def resolve_dtype(dtype: str | None, hf_cfg: dict) -> str:
+    """``--dtype``; by default the HF checkpoint's own dtype (fp16 becomes bf16)."""
+    if dtype is None:
+        return "fp32" if hf_dtype(hf_cfg) == "fp32" else "bf16"
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)} (got {dtype!r})")
+    return dtype
+
+
+def hf_to_mcore(hf_dir: str | Path, out: str | Path, *, tp: int = 1, pp: int = 1,
+                dtype: str | None = None, make_vocab_size_divisible_by: int = 128,
+                overwrite: bool = False, progress: bool = True) -> dict:
+    """Convert an HF Llama / Qwen2 / Qwen3 directory into a Megatron ``torch_dist`` checkpoint.
+
+    ``tp`` / ``pp`` are the layout it will be trained at: they are checked against the heads,
+    groups and layers and set the vocabulary padding; the checkpoint loads at any TP/PP.
+    Everything is validated before anything is written. Returns a summary dict.
+    """
+    hf_cfg = read_hf_config(hf_dir)
+    cfg, arch = model_config_from_hf(hf_cfg, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
+    cfg.validate(tp, pp)
+    dtype = resolve_dtype(dtype, hf_cfg)
+    reader = SafetensorsReader(hf_dir)
+    HFMapping(cfg).check_hf(reader.shapes())
+    out = Path(out)
+    _check_writable(out, overwrite)
+    with single_process_runtime():
+        model = _build_tp1(cfg, tp, dtype)
+        nbytes = load_hf_weights([model], cfg, reader, progress=progress)
+        meta = checkpoint_metadata(cfg, arch, dtype, tp=tp, pp=pp, hf_config=hf_cfg)
+        save_mcore([model], out, meta, overwrite=overwrite)
+    return {"out": str(out), "architecture": arch, "dtype": dtype, "bytes": nbytes,
+            "padded_vocab_size": cfg.padded_vocab_size(tp)}
+
+
+def mcore_to_hf(load: str | Path, out: str | Path, *, hf_template: str | Path | None = None,
+                max_shard_bytes: int = 5 * 1024**3, overwrite: bool = False,
+                progress: bool = True) -> dict:
+    """Convert a checkpoint written by :func:`hf_to_mcore` / :func:`save_mcore` back to HF:
+    ``config.json``, sharded safetensors with ``model.safetensors.index.json`` and, from
+    ``hf_template``, the tokenizer and generation files. Returns a summary dict."""
+    from tqdm import tqdm
+
+    meta = read_checkpoint_metadata(load)
+    cfg, arch, dtype = ModelConfig.from_dict(meta["model_config"]), meta["architecture"], meta["dtype"]
+    base = meta.get("hf_config")
+    if hf_template is not None:
+        base = read_hf_config(hf_template)
+        check_same_architecture(base, cfg)
+    hf_cfg = hf_config_from_model(cfg, arch, base=base, dtype=dtype)
+    plan = [(n, shape) for e in HFMapping(cfg).entries if e.export for n, shape in zip(e.hf, e.hf_shapes)]
+    torch_dtype = TORCH_DTYPES[dtype]
+    with atomic_dir(out, overwrite=overwrite) as tmp, single_process_runtime():
+        model = _build_tp1(cfg, meta.get("saved_tp", 1), dtype)
+        load_mcore([model], load)
+        stream = export_hf_weights([model], cfg, bucket_bytes=EXPORT_BUCKET_BYTES, dtype=torch_dtype)
+        with StreamingSafetensorsWriter(tmp, plan, torch_dtype, max_shard_bytes) as writer:
+            for name, tensor in tqdm(stream, total=len(plan), desc="export HF weights",
+                                     disable=not progress):
+                writer.add(name, tensor)
+            files = writer.close()
+        (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")
+        copied = copy_tokenizer_files(hf_template, tmp) if hf_template is not None else []
+    return {"out": str(out), "architecture": arch, "dtype": dtype, "bytes": writer.total_bytes,
+            "shards": files, "tokenizer_files": copied}

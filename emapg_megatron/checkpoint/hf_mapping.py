@@ -1,0 +1,301 @@
+"""The one table that maps Hugging Face Llama / Qwen2 / Qwen3 tensors onto Megatron-Core params.
+
+Everything that moves weights between the two worlds goes through :class:`HFMapping`: the
+converter CLI, the trainer's ``--load-hf`` (:func:`emapg_megatron.checkpoint.weights.load_hf_weights`)
+and the weight export to rollout engines (:func:`~emapg_megatron.checkpoint.weights.export_hf_weights`).
+
+Each row of :data:`RULES` names one Megatron parameter (by its TE-fused name, which is also the
+key Megatron's ``sharded_state_dict`` stores, plus the local-spec alias), the HF tensors it is made
+of and a *codec* that knows how the tensor is split over tensor-parallel ranks:
+
+* import: ``codec.to_megatron(read, hf_names, tp_rank, tp, local_shape)`` reads only this rank's
+  slice of the HF tensors (``read(name, index)`` may be a lazy safetensors slice);
+* export: ``codec.to_hf(shards)`` turns the full list of TP shards (rank order) back into the HF
+  tensors.
+
+The layouts (Megatron-Core 0.16, ``get_gpt_layer_*_spec``):
+
+* ``linear_qkv``: rows grouped per query group ``g``: ``[q heads of g, k_g, v_g]``; TP ranks own
+  contiguous groups. The Qwen2 bias uses the same layout.
+* ``linear_fc1``: every TP rank holds ``[gate_r; up_r]`` (its own chunk of each).
+* ``linear_proj`` / ``linear_fc2``: row-parallel (split on the input dim).
+* embedding / ``output_layer``: vocab-parallel rows, padded with zero rows to a multiple of
+  ``make_vocab_size_divisible_by x TP`` on import; the padding is dropped on export.
+* tied embeddings: no ``lm_head`` is read or written; at PP>1 the last stage's copy
+  (``output_layer.weight``) is imported from ``model.embed_tokens.weight`` and not exported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from emapg_megatron.models.gpt import ModelConfig
+from emapg_megatron.runtime import ConfigError
+
+# read(hf_name, index) -> tensor; index is a tuple of slices (None: the whole tensor).
+Read = Callable[[str, "tuple[slice, ...] | None"], torch.Tensor]
+
+
+def _rows(start: int, stop: int) -> tuple[slice, ...]:
+    return (slice(start, stop),)
+
+
+@dataclass(frozen=True)
+class Replicated:
+    """The same tensor on every TP rank (norms)."""
+
+    tp_dim = None
+
+    def to_megatron(self, read: Read, names, rank, tp, local_shape):
+        return read(names[0], None)
+
+    def to_hf(self, shards):
+        return [shards[0]]
+
+
+@dataclass(frozen=True)
+class RowParallel:
+    """Split on the input dim (``linear_proj``, ``linear_fc2``)."""
+
+    tp_dim = 1
+
+    def to_megatron(self, read: Read, names, rank, tp, local_shape):
+        n = local_shape[1]
+        return read(names[0], (slice(None), slice(rank * n, (rank + 1) * n)))
+
+    def to_hf(self, shards):
+        return [torch.cat(shards, dim=1)]
+
+
+@dataclass(frozen=True)
+class VocabParallel:
+    """Rows split over TP after padding the vocabulary with zero rows."""
+
+    vocab_size: int
+    tp_dim = 0
+
+    def to_megatron(self, read: Read, names, rank, tp, local_shape):
+        rows = local_shape[0]
+        start, stop = rank * rows, min((rank + 1) * rows, self.vocab_size)
+        real = read(names[0], _rows(min(start, stop), stop))
+        if real.shape[0] == rows:
+            return real
+        return torch.cat([real, real.new_zeros(rows - real.shape[0], *real.shape[1:])])
+
+    def to_hf(self, shards):
+        rows = shards[0].shape[0]
+        keep = [s[: max(0, min(rows, self.vocab_size - r * rows))] for r, s in enumerate(shards)]
+        return [torch.cat(keep, dim=0)]
+
+
+@dataclass(frozen=True)
+class FusedQKV:
+    """``linear_qkv`` weight or bias: per query group ``[q heads of the group, k, v]``."""
+
+    num_heads: int
+    num_groups: int
+    head_dim: int
+    tp_dim = 0
+
+    def to_megatron(self, read: Read, names, rank, tp, local_shape):
+        groups = self.num_groups // tp
+        q_rows = self.num_heads // self.num_groups * self.head_dim
+        g0 = rank * groups
+        q = read(names[0], _rows(g0 * q_rows, (g0 + groups) * q_rows))
+        k = read(names[1], _rows(g0 * self.head_dim, (g0 + groups) * self.head_dim))
+        v = read(names[2], _rows(g0 * self.head_dim, (g0 + groups) * self.head_dim))
+        rest = q.shape[1:]
+        parts = [t.reshape(groups, -1, *rest) for t in (q, k, v)]
+        return torch.cat(parts, dim=1).reshape(-1, *rest)
+
+    def to_hf(self, shards):
+        full = torch.cat(shards, dim=0)
+        rest = full.shape[1:]
+        q_rows = self.num_heads // self.num_groups * self.head_dim
+        grouped = full.view(self.num_groups, q_rows + 2 * self.head_dim, *rest)
+        q, k, v = grouped.split([q_rows, self.head_dim, self.head_dim], dim=1)
+        return [t.reshape(-1, *rest) for t in (q, k, v)]
+
+
+@dataclass(frozen=True)
+class GateUp:
+    """``linear_fc1``: each TP rank holds ``[gate_r; up_r]``."""
+
+    ffn_hidden_size: int
+    tp_dim = 0
+
+    def to_megatron(self, read: Read, names, rank, tp, local_shape):
+        n = self.ffn_hidden_size // tp
+        return torch.cat([read(name, _rows(rank * n, (rank + 1) * n)) for name in names], dim=0)
+
+    def to_hf(self, shards):
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return [torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])]
+
+
+@dataclass(frozen=True)
+class Rule:
+    megatron: str  # TE-fused name (= Megatron's checkpoint key), {i} = global layer index
+    hf: tuple[str, ...]
+    codec: str
+    aliases: tuple[str, ...] = ()  # local-spec names of the same tensor
+    when: Callable[[ModelConfig], bool] | None = None
+    export: bool = True
+
+
+_L, _H = "decoder.layers.{i}.", "model.layers.{i}."
+_EMBED = "model.embed_tokens.weight"
+
+# The mapping, in HF state-dict order. Megatron names are global (PP-stage independent).
+RULES: tuple[Rule, ...] = (
+    Rule("embedding.word_embeddings.weight", (_EMBED,), "vocab"),
+    Rule(_L + "self_attention.linear_qkv.layer_norm_weight", (_H + "input_layernorm.weight",),
+         "replicated", aliases=(_L + "input_layernorm.weight",)),
+    Rule(_L + "self_attention.linear_qkv.weight",
+         tuple(_H + f"self_attn.{p}_proj.weight" for p in "qkv"), "qkv"),
+    Rule(_L + "self_attention.linear_qkv.bias",
+         tuple(_H + f"self_attn.{p}_proj.bias" for p in "qkv"), "qkv",
+         when=lambda c: c.add_qkv_bias),
+    Rule(_L + "self_attention.q_layernorm.weight", (_H + "self_attn.q_norm.weight",), "replicated",
+         when=lambda c: c.qk_layernorm),
+    Rule(_L + "self_attention.k_layernorm.weight", (_H + "self_attn.k_norm.weight",), "replicated",
+         when=lambda c: c.qk_layernorm),
+    Rule(_L + "self_attention.linear_proj.weight", (_H + "self_attn.o_proj.weight",), "row"),
+    Rule(_L + "mlp.linear_fc1.layer_norm_weight", (_H + "post_attention_layernorm.weight",),
+         "replicated", aliases=(_L + "pre_mlp_layernorm.weight",)),
+    Rule(_L + "mlp.linear_fc1.weight", (_H + "mlp.gate_proj.weight", _H + "mlp.up_proj.weight"),
+         "gate_up"),
+    Rule(_L + "mlp.linear_fc2.weight", (_H + "mlp.down_proj.weight",), "row"),
+    Rule("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated"),
+    Rule("output_layer.weight", ("lm_head.weight",), "vocab",
+         when=lambda c: not c.tie_word_embeddings),
+    # Tied: the last PP stage holds a copy of the embedding; it is never exported.
+    Rule("output_layer.weight", (_EMBED,), "vocab", when=lambda c: c.tie_word_embeddings,
+         export=False),
+)
+
+# HF tensors a checkpoint may carry that we do not need.
+_IGNORED_HF_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+@dataclass(frozen=True)
+class Entry:
+    megatron: str
+    aliases: tuple[str, ...]
+    hf: tuple[str, ...]
+    hf_shapes: tuple[tuple[int, ...], ...]
+    codec: object
+    export: bool
+
+
+@dataclass
+class HFMapping:
+    """:data:`RULES` expanded for one model: lookup by Megatron name, import and export."""
+
+    cfg: ModelConfig
+    entries: list[Entry] = field(init=False)
+    _by_name: dict[str, Entry] = field(init=False, repr=False)
+
+    def __post_init__(self):
+        c = self.cfg
+        groups = c.num_query_groups or c.num_attention_heads
+        head_dim = c.kv_channels or c.hidden_size // c.num_attention_heads
+        codecs = {
+            "replicated": Replicated(),
+            "row": RowParallel(),
+            "vocab": VocabParallel(c.vocab_size),
+            "qkv": FusedQKV(c.num_attention_heads, groups, head_dim),
+            "gate_up": GateUp(c.ffn_hidden_size),
+        }
+        h, f, v = c.hidden_size, c.ffn_hidden_size, c.vocab_size
+        q, kv = c.num_attention_heads * head_dim, groups * head_dim
+        shapes = {
+            "embed_tokens.weight": (v, h), "lm_head.weight": (v, h), "norm.weight": (h,),
+            "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+            "q_proj.weight": (q, h), "k_proj.weight": (kv, h), "v_proj.weight": (kv, h),
+            "q_proj.bias": (q,), "k_proj.bias": (kv,), "v_proj.bias": (kv,),
+            "q_norm.weight": (head_dim,), "k_norm.weight": (head_dim,), "o_proj.weight": (h, q),
+            "gate_proj.weight": (f, h), "up_proj.weight": (f, h), "down_proj.weight": (h, f),
+        }
+
+        def shape(name):
+            return shapes[".".join(name.rsplit(".", 2)[-2:])]
+
+        self.entries, self._by_name = [], {}
+        for layer in [None, *range(c.num_layers)]:
+            for rule in RULES:
+                if ("{i}" in rule.megatron) != (layer is not None):
+                    continue
+                if rule.when is not None and not rule.when(c):
+                    continue
+                hf = tuple(n.format(i=layer) for n in rule.hf)
+                entry = Entry(rule.megatron.format(i=layer),
+                              tuple(a.format(i=layer) for a in rule.aliases), hf,
+                              tuple(shape(n) for n in hf), codecs[rule.codec], rule.export)
+                self.entries.append(entry)
+                for name in (entry.megatron, *entry.aliases):
+                    self._by_name[name] = entry
+        # The final norm / lm_head rows come after the layers in HF order.
+        tail = ("decoder.final_layernorm.weight", "output_layer.weight")
+        self.entries.sort(key=lambda e: e.megatron in tail)
+
+    def lookup(self, megatron_name: str) -> Entry | None:
+        """The entry for a global Megatron param name (TE-fused or local-spec naming)."""
+        return self._by_name.get(megatron_name)
+
+    def expected_hf_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {n: s for e in self.entries for n, s in zip(e.hf, e.hf_shapes)}
+
+    def check_hf(self, available: Mapping[str, Sequence[int]]) -> None:
+        """Raise :class:`ConfigError` listing missing, unexpected and mis-shaped HF tensors."""
+        expected = self.expected_hf_shapes()
+        ignorable = {"lm_head.weight"} if self.cfg.tie_word_embeddings else set()
+        missing = sorted(set(expected) - set(available))
+        unexpected = sorted(n for n in set(available) - set(expected)
+                            if n not in ignorable and not n.endswith(_IGNORED_HF_SUFFIXES))
+        wrong = sorted(f"{n}: {tuple(available[n])} != {expected[n]}"
+                       for n in set(expected) & set(available)
+                       if tuple(available[n]) != expected[n])
+        problems = [f"{label} ({len(items)}): {', '.join(items)}"
+                    for label, items in (("missing tensors", missing),
+                                         ("unexpected tensors", unexpected),
+                                         ("mismatched shapes", wrong)) if items]
+        if problems:
+            raise ConfigError("HF checkpoint does not match the model config: " + "; ".join(problems))
+
+    def to_megatron(self, megatron_name: str, read: Read, tp_rank: int, tp: int,
+                    local_shape: Sequence[int]) -> torch.Tensor:
+        """This TP rank's slice of a Megatron param, read from HF tensors."""
+        entry = self._require(megatron_name)
+        return entry.codec.to_megatron(read, entry.hf, tp_rank, tp, tuple(local_shape))
+
+    def to_hf(self, megatron_name: str, shards: Sequence[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+        """HF ``(name, tensor)`` pairs from all TP shards of a Megatron param (rank order).
+
+        Outputs own their memory: neither views (which would pin the caller's gather buffer
+        and share storage, which safetensors refuses) nor aliases of the live parameters.
+        """
+        entry = self._require(megatron_name)
+        inputs = {s.untyped_storage().data_ptr() for s in shards}
+        out = entry.codec.to_hf(list(shards))
+        return [(n, t.clone() if t._base is not None or t.untyped_storage().data_ptr() in inputs else t)
+                for n, t in zip(entry.hf, out)]
+
+    def _require(self, name: str) -> Entry:
+        entry = self.lookup(name)
+        if entry is None:
+            raise ConfigError(f"no HF mapping for Megatron parameter {name!r}")
+        return entry
+
+
+def dict_reader(state_dict: Mapping[str, torch.Tensor]) -> Read:
+    """A :data:`Read` over an in-memory HF state dict."""
+
+    def read(name, index):
+        t = state_dict[name]
+        return t if index is None else t[index]
+
+    return read

@@ -1,0 +1,250 @@
+"""Move weights between a built (TP/PP-sharded) Megatron model and HF tensors.
+
+* :func:`load_hf_weights` - every rank reads only its own slices from an HF directory (the
+  trainer's ``--load-hf`` and the converter's import).
+* :func:`export_hf_weights` - streams full HF ``(name, tensor)`` pairs out of a sharded model: TP
+  shards are all-gathered in size-bounded buckets, then broadcast from the owning PP stage (the
+  weight sync to rollout engines and the converter's export).
+
+Both resolve every parameter through :class:`~emapg_megatron.checkpoint.hf_mapping.HFMapping`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from emapg_megatron.checkpoint.hf_io import SafetensorsReader
+from emapg_megatron.checkpoint.hf_mapping import HFMapping, dict_reader
+from emapg_megatron.models.gpt import ModelConfig
+from emapg_megatron.runtime import ConfigError
+from emapg_megatron.training.model_and_optimizer import global_param_name, unwrap
+
+DEFAULT_BUCKET_BYTES = 512 * 1024**2
+HIGH_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _named_params(model_chunks):
+    """``(global name, param)`` over all chunks (layer indices made PP-stage independent)."""
+    for chunk in model_chunks:
+        gpt = unwrap(chunk)
+        for name, p in gpt.named_parameters():
+            yield global_param_name(gpt, name), p
+
+
+def _check_layout(name: str, codec, param) -> None:
+    # Megatron tags TP-split params; a disagreement means the table and the spec diverged.
+    dim = getattr(param, "partition_dim", None) if getattr(param, "tensor_model_parallel", False) else None
+    if dim != codec.tp_dim:
+        raise ConfigError(f"{name}: Megatron splits dim {dim} over TP, the HF mapping expects {codec.tp_dim}")
+
+
+def _mapped(model_chunks, mapping: HFMapping) -> list[tuple[str, torch.nn.Parameter]]:
+    from megatron.core import parallel_state as ps
+
+    params = list(_named_params(model_chunks))
+    unknown = [n for n, _ in params if mapping.lookup(n) is None]
+    if unknown:
+        raise ConfigError(f"Megatron parameters without an HF mapping ({len(unknown)}): {', '.join(unknown)}")
+    if ps.get_tensor_model_parallel_world_size() > 1:  # at TP=1 a split dim is moot (and may be untagged)
+        for name, p in params:
+            _check_layout(name, mapping.lookup(name).codec, p)
+    return params
+
+
+def load_hf_weights(model_chunks, model_cfg: ModelConfig,
+                    hf: str | Path | SafetensorsReader | Mapping[str, torch.Tensor],
+                    *, progress: bool = False) -> int:
+    """Copy HF weights (a directory, a reader or an in-memory state dict) into this rank's model chunks.
+
+    Call inside an initialised parallel_state; each rank reads only its TP slices (lazily, from
+    the memory-mapped safetensors). Checks the HF tensor set first and raises
+    :class:`ConfigError` listing missing / unexpected / mis-shaped tensors. With a Megatron
+    optimizer already built, call ``optimizer.reload_model_params()`` afterwards. Returns the
+    number of bytes written into parameters.
+    """
+    from megatron.core import parallel_state as ps
+    from tqdm import tqdm
+
+    mapping = HFMapping(model_cfg)
+    if isinstance(hf, Mapping):
+        read, shapes = dict_reader(hf), {n: tuple(t.shape) for n, t in hf.items()}
+    else:
+        reader = hf if isinstance(hf, SafetensorsReader) else SafetensorsReader(hf)
+        read, shapes = reader.read, reader.shapes()
+    mapping.check_hf(shapes)
+    params = _mapped(model_chunks, mapping)
+    tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    total = sum(p.numel() * p.element_size() for _, p in params)
+    with torch.no_grad(), tqdm(total=total, unit="B", unit_scale=True, desc="import HF weights",
+                               disable=not progress) as bar:
+        for name, p in params:
+            t = mapping.to_megatron(name, read, rank, tp, p.shape)
+            if tuple(t.shape) != tuple(p.shape):
+                raise ConfigError(f"{name}: HF tensors give {tuple(t.shape)} for the local shape "
+                                  f"{tuple(p.shape)}")
+            p.copy_(t)
+            bar.update(p.numel() * p.element_size())
+    return total
+
+
+@dataclass(frozen=True)
+class _Item:
+    name: str  # canonical Megatron name
+    stage: int  # owning PP rank
+    local_shape: tuple[int, ...]
+    dtype: torch.dtype
+    split: bool  # sharded over TP (gathered) or replicated
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.local_shape)
+
+    def full_bytes(self, tp: int) -> int:
+        return self.numel * (tp if self.split else 1) * self.dtype.itemsize
+
+
+def plan_buckets(items: list[_Item], bucket_bytes: int, tp: int) -> list[list[_Item]]:
+    """Group consecutive params of one stage and dtype into buckets of at most ``bucket_bytes``
+    gathered bytes; a single param larger than the bound travels alone."""
+    buckets: list[list[_Item]] = []
+    size = 0
+    for item in items:
+        nbytes = item.full_bytes(tp)
+        last = buckets[-1] if buckets else None
+        if (last is None or last[0].stage != item.stage or last[0].dtype != item.dtype
+                or size + nbytes > bucket_bytes):
+            buckets.append([item])
+            size = nbytes
+        else:
+            last.append(item)
+            size += nbytes
+    return buckets
+
+
+def high_precision(name: str, t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a BF16/FP32 tensor: exports and checkpoints are never FP8.
+
+    FP8 *compute* (``--fp8-format``) keeps BF16 weights; TE's FP8 parameters (QuantizedTensor,
+    which reports a high-precision dtype) are dequantised; raw float8 tensors are refused.
+    """
+    if type(t) is not torch.Tensor and hasattr(t, "dequantize"):
+        t = t.dequantize()
+    if t.dtype not in HIGH_PRECISION:
+        raise ConfigError(f"{name} is {t.dtype}: checkpoints and exports are BF16/FP32, never FP8")
+    return t
+
+
+def _all_gather(out: torch.Tensor, inp: torch.Tensor, group) -> None:
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, inp, group=group)
+
+
+def _pack(dst: torch.Tensor, tensors) -> None:
+    offset = 0
+    for t in tensors:
+        dst[offset:offset + t.numel()].copy_(t.reshape(-1))
+        offset += t.numel()
+
+
+def _bucket_payload(bucket, local, tp, tp_group, device) -> torch.Tensor:
+    """One flat buffer: the TP-gathered split params ``[tp, n_split]`` then the replicated ones."""
+    split = [local[i.name] for i in bucket if i.split] if local is not None else []
+    n_split = sum(i.numel for i in bucket if i.split)
+    n_rep = sum(i.numel for i in bucket if not i.split)
+    payload = torch.empty(tp * n_split + n_rep, dtype=bucket[0].dtype, device=device)
+    if local is None:  # another stage owns it: filled by the broadcast
+        return payload
+    if tp > 1 and split:
+        flat = torch.empty(n_split, dtype=payload.dtype, device=device)
+        _pack(flat, split)
+        _all_gather(payload[: tp * n_split], flat, tp_group)
+    else:
+        _pack(payload[:n_split], split)
+    _pack(payload[tp * n_split:], [local[i.name] for i in bucket if not i.split])
+    return payload
+
+
+def _payload_shards(bucket, payload, tp):
+    """Item -> its TP shards, as views into the bucket's payload."""
+    n_split = sum(i.numel for i in bucket if i.split)
+    gathered = payload[: tp * n_split].view(tp, n_split)
+    split_off, rep_off, views = 0, tp * n_split, {}
+    for i in bucket:
+        if i.split:
+            views[i.name] = [gathered[r, split_off:split_off + i.numel].view(i.local_shape)
+                             for r in range(tp)]
+            split_off += i.numel
+        else:
+            views[i.name] = [payload[rep_off:rep_off + i.numel].view(i.local_shape)]
+            rep_off += i.numel
+    return views
+
+
+def export_hf_buckets(model_chunks, model_cfg: ModelConfig, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                      all_stages: bool = True, dtype: torch.dtype | None = None
+                      ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Like :func:`export_hf_weights`, one list per communication bucket."""
+    from megatron.core import parallel_state as ps
+
+    from emapg_megatron import runtime
+
+    mapping = HFMapping(model_cfg)
+    local = {mapping.lookup(n).megatron: high_precision(n, p.detach())
+             for n, p in _mapped(model_chunks, mapping) if mapping.lookup(n).export}
+    tp, tp_group = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_group()
+    pp, stage = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
+    mine = {n: (tuple(t.shape), t.dtype) for n, t in local.items()}
+    per_stage = [mine]
+    if pp > 1:
+        pp_group = ps.get_pipeline_model_parallel_group()
+        per_stage = [None] * pp
+        dist.all_gather_object(per_stage, mine, group=pp_group)
+        pp_ranks = dist.get_process_group_ranks(pp_group)
+    owner = {}
+    for s, params in enumerate(per_stage):
+        for n, (shape, param_dtype) in params.items():
+            owner.setdefault(n, (s, shape, param_dtype))
+    exported = [e for e in mapping.entries if e.export]
+    missing = [e.megatron for e in exported if e.megatron not in owner]
+    if missing:
+        raise ConfigError(f"no pipeline stage holds {', '.join(missing)}")
+    items = [_Item(e.megatron, *owner[e.megatron], split=e.codec.tp_dim is not None) for e in exported]
+    device = runtime.device()
+    # TP=1 and nothing to broadcast: convert straight from the parameters, no payload copy.
+    local_only = tp == 1 and (pp == 1 or not all_stages)
+    for bucket in plan_buckets(items, bucket_bytes, tp):
+        owned = bucket[0].stage == stage
+        if not owned and not all_stages:
+            continue
+        if local_only:
+            shards = {i.name: [local[i.name]] for i in bucket}
+        else:
+            payload = _bucket_payload(bucket, local if owned else None, tp, tp_group, device)
+            if pp > 1 and all_stages:
+                dist.broadcast(payload, src=pp_ranks[bucket[0].stage], group=pp_group)
+            shards = _payload_shards(bucket, payload, tp)
+        pairs = [pair for i in bucket for pair in mapping.to_hf(i.name, shards[i.name])]
+        yield pairs if dtype is None else [(n, t.to(dtype)) for n, t in pairs]
+
+
+def export_hf_weights(model_chunks, model_cfg: ModelConfig, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                      all_stages: bool = True, dtype: torch.dtype | None = None
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Stream the model as full HF ``(name, tensor)`` pairs (padding removed, tied head omitted).
+
+    A collective: every rank of the model-parallel group must consume the iterator in step.
+    Within a bucket the TP shards are all-gathered (at most ``bucket_bytes`` gathered bytes per
+    bucket, unless one parameter alone is bigger); with ``all_stages`` the bucket is then
+    broadcast from the owning pipeline stage so every rank yields every tensor, otherwise each
+    stage yields only what it owns. Tensors stay on the model's device, in its dtype unless
+    ``dtype`` is given (e.g. ``torch.bfloat16`` for a rollout engine).
+    """
+    for bucket in export_hf_buckets(model_chunks, model_cfg, bucket_bytes=bucket_bytes,
+                                    all_stages=all_stages, dtype=dtype):
+        yield from bucket

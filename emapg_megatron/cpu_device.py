@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -153,6 +154,8 @@ def install() -> None:
     global _installed
     if _installed:
         return
+    # Some VMs advertise AMX without enabling it: oneDNN's bf16 matmul then dies with SIGILL.
+    os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
     _patch_torch_cuda()
     _patch_megatron_rng()
     CudaToCpuMode().__enter__()  # stays active for the process lifetime

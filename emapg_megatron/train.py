@@ -181,13 +181,14 @@ def load_pretrained(chunks, optimizer, path: str) -> None:
 
 
 # --- checkpoint state --------------------------------------------------------------------
-def sharded_training_state(trainer) -> dict:
+def sharded_training_state(trainer, *, is_loading: bool = False) -> dict:
+    from emapg_megatron.training.checkpointing import optimizer_sharded_state_dict
     from emapg_megatron.training.model_and_optimizer import unwrap
 
     model_sd = unwrap(trainer.model_chunks[0]).sharded_state_dict()
     return {
         "model": model_sd,
-        "optimizer": trainer.optimizer.sharded_state_dict(model_sd),
+        "optimizer": optimizer_sharded_state_dict(trainer.optimizer, model_sd, is_loading=is_loading),
         "ema": trainer.anchor.sharded_state_dict(model_sd),
     }
 
@@ -205,11 +206,14 @@ def resume(args, trainer) -> int:
     from emapg_megatron.training import checkpointing
     from emapg_megatron.training.model_and_optimizer import unwrap
 
-    state = sharded_training_state(trainer)
-    state["optimizer"] = trainer.optimizer.sharded_state_dict(state["model"], is_loading=True)
-    iteration, loaded = checkpointing.load(args.load, state)
+    path = checkpointing.iteration_dir(args.load, checkpointing.latest_iteration(args.load))
+    trainer.anchor.check_checkpoint(path)  # one clear line for a mismatching EMA
+    checkpointing.materialize_optimizer_state(trainer.model_chunks, trainer.optimizer)
+    iteration, loaded = checkpointing.load(args.load, sharded_training_state(trainer, is_loading=True))
     unwrap(trainer.model_chunks[0]).load_state_dict(loaded["model"])
-    trainer.optimizer.load_state_dict(loaded["optimizer"])
+    with torch.no_grad():  # fp32 DistOpt main params are views of the (grad-requiring) weights
+        trainer.optimizer.load_state_dict(loaded["optimizer"])
+    checkpointing.restore_adam_steps(trainer.optimizer, loaded["optimizer"])
     trainer.anchor.load_state_dict(loaded["ema"])
     common = loaded["common"]
     trainer.scheduler.load_state_dict(common["scheduler"])

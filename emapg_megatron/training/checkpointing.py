@@ -77,6 +77,49 @@ def latest_iteration(root: str) -> int:
     return int(text)
 
 
+# megatron-core 0.16.1 rejects the DistributedOptimizer's default (flattened) sharding on save.
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+
+def optimizer_sharded_state_dict(optimizer, model_sharded_state_dict: dict, *, is_loading: bool = False):
+    return optimizer.sharded_state_dict(model_sharded_state_dict, is_loading=is_loading,
+                                        metadata=OPTIMIZER_METADATA)
+
+
+def materialize_optimizer_state(model_chunks, optimizer) -> None:
+    """megatron-core 0.16.1 with torch Adam (no TE/Apex) cannot describe optimizer state before
+    the first step; a zero-gradient step creates it. Everything it touches is then overwritten
+    by the checkpoint load."""
+    from emapg_megatron.training.model_and_optimizer import zero_grads
+
+    zero_grads(model_chunks, optimizer)
+    optimizer.step()
+
+
+def restore_adam_steps(optimizer, loaded_optimizer_state: dict) -> None:
+    """megatron-core 0.16.1's load keeps the live per-parameter Adam ``step`` (and shares one
+    tensor between parameters); put back the checkpoint's step, one tensor per parameter."""
+    groups = _find_param_groups(loaded_optimizer_state)
+    if not groups or "step" not in groups[0]:
+        return
+    step = float(groups[0]["step"])
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for state in inner.optimizer.state.values():
+            if "step" in state:
+                state["step"] = torch.tensor(step)
+
+
+def _find_param_groups(state):
+    if isinstance(state, dict):
+        if "param_groups" in state:
+            return state["param_groups"]
+        for value in state.values():
+            found = _find_param_groups(value)
+            if found:
+                return found
+    return None
+
+
 def load(root: str, sharded_state_dict: dict) -> tuple[int, dict]:
     """Load into the given sharded state dict; returns (iteration, loaded state)."""
     from megatron.core import dist_checkpointing
@@ -86,7 +129,7 @@ def load(root: str, sharded_state_dict: dict) -> tuple[int, dict]:
     state = dict(sharded_state_dict, rng_state=_rng_sharded_object())
     try:
         loaded = dist_checkpointing.load(state, path)
-    except Exception as e:  # noqa: BLE001 - re-raised as a one-line user error
+    except BaseException as e:  # noqa: BLE001 - CheckpointException derives from BaseException
         raise ConfigError(f"--load {path}: cannot load checkpoint: {str(e).splitlines()[0]}") from e
     rng = loaded.pop("rng_state")
     if rng["world_size"] == dist.get_world_size():

@@ -13,6 +13,7 @@ import io
 import os
 import queue as queue_mod
 import socket
+import time
 import traceback
 
 import torch
@@ -63,6 +64,15 @@ def _worker(rank, world_size, port, cfg, fn, args, results):
             pass
 
 
+def _check_alive(procs, collected, deadline: float, timeout: float) -> None:
+    """A rank that died without reporting (segfault, OOM kill) fails the run at once."""
+    for rank, p in enumerate(procs):
+        if rank not in collected and p.exitcode not in (None, 0):
+            raise RankError(f"rank {rank} died with exit code {p.exitcode} before reporting")
+    if time.monotonic() > deadline:
+        raise TimeoutError(f"distributed run timed out after {timeout}s; ranks done: {sorted(collected)}")
+
+
 def run_distributed(fn, world_size: int = 2, *, tp: int = 1, pp: int = 1, args: tuple = (),
                     timeout: float = 300.0, device: str = "cpu", seed: int = 1234) -> list:
     """Run ``fn(*args)`` on ``world_size`` ranks; return the results in rank order.
@@ -82,14 +92,14 @@ def run_distributed(fn, world_size: int = 2, *, tp: int = 1, pp: int = 1, args: 
     for p in procs:
         p.start()
     collected: dict[int, object] = {}
+    deadline = time.monotonic() + timeout
     try:
         while len(collected) < world_size:
             try:
-                rank, ok, payload = results.get(timeout=timeout)
+                rank, ok, payload = results.get(timeout=1.0)
             except queue_mod.Empty:
-                raise TimeoutError(
-                    f"distributed run timed out after {timeout}s; ranks done: {sorted(collected)}"
-                ) from None
+                _check_alive(procs, collected, deadline, timeout)
+                continue
             if not ok:
                 raise RankError(f"rank {rank} failed:\n{payload}")
             collected[rank] = torch.load(io.BytesIO(payload), weights_only=True)

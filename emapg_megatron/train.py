@@ -119,6 +119,11 @@ def build_run(args, tokenizer, task, model_cfg):
     chunks, optimizer = build_model_and_optimizer(model_cfg, optim, precision_config(args))
     if args.pretrained_checkpoint:
         load_pretrained(chunks, optimizer, args.pretrained_checkpoint)
+    elif args.load_hf:
+        from emapg_megatron.checkpoint import load_hf_weights
+
+        load_hf_weights(chunks, model_cfg, args.load_hf, progress=dist.get_rank() == 0)
+        optimizer.reload_model_params()
     warmup = (int(args.lr_warmup_fraction * args.train_iters) if args.lr_warmup_fraction is not None
               else args.lr_warmup_iters)
     scheduler = OptimizerParamScheduler(

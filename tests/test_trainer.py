@@ -83,19 +83,24 @@ def test_layouts_match_single_rank(layout, init_ckpt, reference, tmp_path):
     assert any(m["ema_lag"] > 0 for m in got)  # the policy moved away from the anchor
 
 
-def test_resume_is_bit_exact_and_continues_to_the_total(init_ckpt, reference, tmp_path):
-    first, second = tmp_path / "a", tmp_path / "b"
+@pytest.mark.parametrize("nproc, layout", [
+    (1, []),
+    (2, ["--use-distributed-optimizer"]),  # DP=2, sharded optimizer state, fp32 main params
+])
+def test_resume_is_bit_exact_and_continues_to_the_total(nproc, layout, init_ckpt, tmp_path):
     ckpt = tmp_path / "ckpt"
-    common = ["--pretrained-checkpoint", init_ckpt, "--save", str(ckpt)]
-    r = torchrun(1, ["--train-iters", "2", *common], first)
+    common = ["--pretrained-checkpoint", init_ckpt, *layout]
+    r = torchrun(nproc, ["--train-iters", "3", *common], tmp_path / "full")
+    assert r.returncode == 0, r.stdout + r.stderr
+    r = torchrun(nproc, ["--train-iters", "2", "--save", str(ckpt), *common], tmp_path / "a")
     assert r.returncode == 0, r.stdout + r.stderr
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "2"
-    r = torchrun(1, ["--train-iters", "3", "--load", str(ckpt), *common], second)
+    r = torchrun(nproc, ["--train-iters", "3", "--load", str(ckpt), *common], tmp_path / "b")
     assert r.returncode == 0, r.stdout + r.stderr
-    resumed = metrics(second)
+    resumed, full = metrics(tmp_path / "b"), metrics(tmp_path / "full")
     assert [m["step"] for m in resumed] == [3]
     for k in COMPARED:
-        assert resumed[0][k] == reference[2][k], k  # bit for bit
+        assert resumed[0][k] == full[2][k], k  # bit for bit: weights, Adam state, EMA, data, RNG
     assert not any(p.name.endswith(".tmp") for p in ckpt.iterdir())
 
 

@@ -9,7 +9,11 @@ from emapg_megatron.train import model_config, parse_for_tests
 
 def save_initial_weights(ckpt_dir: str, argv: list, poison: bool = False):
     """Write a model-only dist checkpoint for --pretrained-checkpoint (same weights at any layout)."""
+    import os
+
     from megatron.core import dist_checkpointing
+
+    os.makedirs(ckpt_dir, exist_ok=True)
 
     from emapg_megatron.models.gpt import build_for_this_rank
 

@@ -110,9 +110,9 @@ class MegatronSampler:
                 break
             ids, lp = torch.zeros(S, dtype=torch.long), torch.zeros(S)
             logits = self._next_token_logits(tokens, lengths)
-            if logits is not None:
-                logits[:, self.vocab_size:] = float("-inf")  # Megatron's vocab padding
-                ids, lp = sample_from_logits(logits, uniforms[:, t], temperature, top_p)
+            if logits is not None:  # only the real vocabulary, never Megatron's padding ids
+                ids, lp = sample_from_logits(logits[:, :self.vocab_size], uniforms[:, t],
+                                             temperature, top_p)
             self._broadcast_from_last_stage(ids, lp)
             for s in torch.nonzero(~done).flatten().tolist():
                 turn = turns[s]

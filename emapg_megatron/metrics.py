@@ -10,7 +10,7 @@ import math
 import os
 import time
 
-PROGRESS_KEYS = ("reward_mean", "kl", "clip_frac", "ema_lag", "entropy")
+PROGRESS_KEYS = ("reward_mean", "kl", "clip_frac", "ema_lag", "entropy", "ema/stability_margin")
 PLOT_KEYS = ("reward_mean", "kl", "entropy", "clip_frac", "ema_lag", "pg_loss")
 
 

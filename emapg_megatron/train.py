@@ -107,7 +107,7 @@ def build_run(args, tokenizer, task, model_cfg):
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     from emapg_megatron.algo.policy_loss import LossConfig
-    from emapg_megatron.anchor import EmaAnchor, EmaConfig
+    from emapg_megatron.anchor import EmaAnchor, EmaConfig, StabilityMonitor
     from emapg_megatron.rollout.megatron_sampler import MegatronSampler
     from emapg_megatron.trainer import KLConfig, PolicyPasses, StepConfig, Trainer
     from emapg_megatron.training.model_and_optimizer import OptimConfig, build_model_and_optimizer
@@ -147,7 +147,9 @@ def build_run(args, tokenizer, task, model_cfg):
         ppo_epochs=args.ppo_epochs, temperature=args.temperature, top_p=args.top_p,
         max_new_tokens=args.max_new_tokens, advantage_norm=args.advantage_norm,
         advantage_eps=args.advantage_eps, kl_in_reward_coef=args.kl_in_reward_coef)
+    monitor = StabilityMonitor.from_config(ema_cfg) if args.ema_stability_interval else None
     return Trainer(model_chunks=chunks, optimizer=optimizer, scheduler=scheduler, anchor=anchor,
+                   monitor=monitor,
                    sampler=sampler, task=task, tokenizer=tokenizer,
                    passes=PolicyPasses(kl, loss, model_cfg.vocab_size), step_cfg=step_cfg,
                    data=PromptSchedule(rows, args.seed), rollout_batch_size=args.rollout_batch_size)

@@ -97,6 +97,14 @@ class PolicyPasses:
                                                                  vocab_size=self.vocab_size)
         return out
 
+    def sequence_logprob(self, logits, mb):
+        """Summed log-prob of the model's tokens (for the stability monitor's Fisher trace)."""
+        from emapg_megatron.parallel import vocab_parallel_policy_terms
+
+        terms = vocab_parallel_policy_terms(logits, mb["labels"], None, group=self._tp_group(),
+                                            vocab_size=self.vocab_size, loss_mask=mb["mask"])
+        return (terms.logprob * mb["mask"]).sum(), {}
+
     def loss_terms(self, logits, mb):
         """(weighted loss sum, metrics) for one micro-batch."""
         from emapg_megatron.parallel import kl_from_policy_terms, vocab_parallel_policy_terms
@@ -149,7 +157,8 @@ class StepConfig:
 
 class Trainer:
     def __init__(self, *, model_chunks, optimizer, scheduler, anchor, sampler, task, tokenizer,
-                 passes: PolicyPasses, step_cfg: StepConfig, data, rollout_batch_size: int):
+                 passes: PolicyPasses, step_cfg: StepConfig, data, rollout_batch_size: int,
+                 monitor=None, monitor_sequences: int = 2):
         self.model_chunks = model_chunks
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -162,6 +171,8 @@ class Trainer:
         self.data = data
         self.rollout_batch_size = rollout_batch_size
         self.skipped_steps = 0
+        self.monitor = monitor
+        self.monitor_sequences = monitor_sequences
 
     # --- parallel layout helpers -------------------------------------------------------
     @staticmethod
@@ -287,8 +298,25 @@ class Trainer:
         mismatch = self.rollout_mismatch(batch)
         stats = self.update(batch)
         self.anchor.step(iteration)
+        stability = self.stability(iteration, batch)
         self.sampler.update_weights(self.model_chunks)
-        return {**self.step_metrics(stats, rollout, all_rewards, t0, t_passes), **mismatch}
+        return {**self.step_metrics(stats, rollout, all_rewards, t0, t_passes), **mismatch, **stability}
+
+    def stability(self, iteration: int, batch: dict) -> dict:
+        """Paper eq. 28: margin 1 + eta - lr * beta * tr(F) from per-sequence gradient norms."""
+        if self.monitor is None or not self.monitor.due(iteration):
+            return {}
+        keys = ("tokens", "labels", "mask")
+        seqs = [{k: batch[k][i:i + 1] for k in keys}
+                for i in range(min(self.monitor_sequences, batch["tokens"].shape[0]))]
+
+        def logprob_fn(seq):
+            forward_backward(self.model_chunks, [seq], self.passes.sequence_logprob)
+
+        est = self.monitor.estimate(self.model_chunks, seqs, logprob_fn,
+                                    lr=self.optimizer.param_groups[0]["lr"],
+                                    beta=self.passes.loss.kl_coef)
+        return est.as_log()
 
     def rollout_mismatch(self, batch: dict) -> dict:
         """Rollout engine log-probs vs the trainer's recomputed old log-probs (last stage, all DP)."""

@@ -43,11 +43,8 @@ import torch
 from ._common import (
     IWClip,
     _check_name,
-    check_unique_indices,
     compute_dtype,
-    gather_last,
     importance_weight,
-    token_in_topk,
     upcast,
 )
 from .divergences import (
@@ -58,7 +55,7 @@ from .divergences import (
     g_at_zero,
     g_of_log_w,
 )
-from .topk import TOPK_TAILS
+from .topk import TOPK_TAILS, gather_topk_inputs
 
 __all__ = [
     "F_DIVERGENCES",
@@ -157,25 +154,10 @@ def topk_fdiv(
     is replaced by ``divergence`` / ``alpha``). Unbiased in value and gradient for any fixed q."""
     check_divergence(divergence, alpha)
     _check_name(tail, TOPK_TAILS, "Top-k tail")
-    check_unique_indices(topk_index)
-    dt = compute_dtype(logits, ref_logprob_topk, ref_logprob_token, sampling_logprob)
-    logp = torch.log_softmax(upcast(logits, dt), dim=-1)
-    lp_q = gather_last(logp, topk_index)
-    lp_y = gather_last(logp, token)
-    iw = None
-    if tail != "none" and (sampling_logprob is not None or iw_clip is not None):
-        iw = importance_weight(lp_y, upcast(sampling_logprob, dt), iw_clip)
-    return topk_fdiv_from_gathered(
-        lp_q,
-        lp_y,
-        upcast(ref_logprob_topk, dt),
-        upcast(ref_logprob_token, dt),
-        token_in_topk(token, topk_index),
-        divergence=divergence,
-        alpha=alpha,
-        tail=tail,
-        iw=iw,
-    )
+    gathered = gather_topk_inputs(logits, token, topk_index, ref_logprob_topk, ref_logprob_token,
+                                  tail=tail, sampling_logprob=sampling_logprob, iw_clip=iw_clip)
+    *quantities, iw = gathered
+    return topk_fdiv_from_gathered(*quantities, divergence=divergence, alpha=alpha, tail=tail, iw=iw)
 
 
 def fdiv_exact(

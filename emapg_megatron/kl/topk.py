@@ -158,21 +158,23 @@ def topk_kl(
     """
     _check_name(direction, KL_DIRECTIONS, "KL direction")
     _check_name(tail, TOPK_TAILS, "Top-k tail")
+    gathered = gather_topk_inputs(logits, token, topk_index, ref_logprob_topk, ref_logprob_token,
+                                  tail=tail, sampling_logprob=sampling_logprob, iw_clip=iw_clip)
+    *quantities, iw = gathered
+    return topk_kl_from_gathered(*quantities, direction=direction, tail=tail, iw=iw)
+
+
+def gather_topk_inputs(logits, token, topk_index, ref_logprob_topk, ref_logprob_token, *, tail: str,
+                       sampling_logprob=None, iw_clip=None) -> tuple:
+    """What the ``*_from_gathered`` estimators need, from full ``[..., V]`` logits: log pi at q
+    and at y, the anchor's log-probs (compute dtype), whether y is in q, and the tail's
+    importance weight. The vocab-parallel op produces the same quantities without gathering."""
     check_unique_indices(topk_index)
     dt = compute_dtype(logits, ref_logprob_topk, ref_logprob_token, sampling_logprob)
     logp = torch.log_softmax(upcast(logits, dt), dim=-1)
-    lp_q = gather_last(logp, topk_index)
     lp_y = gather_last(logp, token)
     iw = None
     if tail != "none" and (sampling_logprob is not None or iw_clip is not None):
         iw = importance_weight(lp_y, upcast(sampling_logprob, dt), iw_clip)
-    return topk_kl_from_gathered(
-        lp_q,
-        lp_y,
-        upcast(ref_logprob_topk, dt),
-        upcast(ref_logprob_token, dt),
-        token_in_topk(token, topk_index),
-        direction=direction,
-        tail=tail,
-        iw=iw,
-    )
+    return (gather_last(logp, topk_index), lp_y, upcast(ref_logprob_topk, dt),
+            upcast(ref_logprob_token, dt), token_in_topk(token, topk_index), iw)

@@ -1,0 +1,273 @@
+"""The fused, differentiable policy-terms op on vocab-sharded logits.
+
+Every token-level quantity the policy loss needs is a function of a few numbers per token:
+log pi(y) (PG ratio, sampled KL estimators, the Top-k tail), log pi at the k ids of q (the exact
+part of Top-k KL; the mass m = sum exp) and, optionally, the entropy. :func:`vocab_parallel_policy_terms`
+returns exactly those, ``PolicyTerms(logprob [...], logprob_topk [..., k], entropy [...])``, with an
+exact backward to the logit shard; the KL maths then runs as plain autograd on ``[..., k]`` tensors
+with the single-device library (:mod:`.estimators`).
+
+Cost: forward, one pass over the shard chunk by chunk and ONE all-gather of O(TP (k + 3)) floats
+per token for the whole call (see :mod:`.vocab_parallel`); backward, one pass and no collective.
+Every gradient term is local to the shard that owns the column::
+
+    d logp_i / dz_v = 1[v = i] - p_v            d H / dz_v = -p_v (log p_v + H)
+    =>  dz_v = sum_i g_i 1[v = i] - p_v (G + g_H (log p_v + H)),   G = sum_i g_i
+
+so backward needs p_v on its own shard (the dense term), the upstream gradients of the k + 1 picked
+log-probs (a ``scatter_add_`` of ``g`` at owned columns: duplicate ids add up correctly) and the
+per-token ``lse``, ``H``. Two ways to have p backward, both saving one ``[T, V/TP]`` row per token
+in the logits' dtype:
+
+* ``inplace_backward=False`` (default): save the logits (a reference, no copy) and recompute
+  ``p = exp(z - lse)`` per chunk in fp32.
+* ``inplace_backward=True``: overwrite the logits in forward with ``e = exp(z - local max)`` (in
+  their dtype; ``p = e exp(local max - lse)``, the factor is one saved float per token) and ``e``
+  with the gradient in backward, like Megatron's cross-entropy: no recompute, and backward is one
+  multiply per element. The caller must not use the logits afterwards, and the graph can be
+  backpropagated once. When ``e`` is stored in bf16 the columns of the k + 1 picked ids are
+  corrected from their exact fp32 log-probs, so the gradient of a confident token (p near 1,
+  where ``g - G p`` cancels) stays at fp32 accuracy; elsewhere the error is one bf16 rounding of p.
+
+Gradients are written in the logits' dtype (fp32 work per chunk). Loss-masked tokens are skipped
+(no compute, zero gradient) and padding columns get zero gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple, Optional
+
+import torch
+
+from .vocab_parallel import (
+    VocabShard,
+    check_ids,
+    chunk_rows,
+    compute_dtype,
+    forward_pass,
+    iter_chunks,
+    owned_columns,
+    put_rows,
+    row_shift,
+    take_rows,
+    vocab_shard,
+)
+
+__all__ = ["PolicyTerms", "vocab_parallel_policy_terms"]
+
+
+class PolicyTerms(NamedTuple):
+    """Per-token outputs, replicated on every TP rank, fp32 (fp64 for fp64 logits).
+
+    ``logprob_topk`` is ``None`` when no index set was given; ``entropy`` when not requested.
+    Masked tokens hold 0.
+    """
+
+    logprob: torch.Tensor
+    logprob_topk: Optional[torch.Tensor]
+    entropy: Optional[torch.Tensor]
+
+
+@dataclass(frozen=True)
+class _Plan:
+    shard: VocabShard
+    group: object
+    rows_per_chunk: int
+    entropy: bool
+    inplace: bool
+
+
+def _first_occurrence(ids: torch.Tensor) -> torch.Tensor:
+    """``[r, n]`` bool: the slot is the first in its row holding its id (O(n^2), n = k + 1)."""
+    n = ids.shape[-1]
+    same = ids.unsqueeze(-1) == ids.unsqueeze(-2)  # [r, n, n]
+    earlier = torch.ones(n, n, dtype=torch.bool, device=ids.device).tril(-1)
+    return ~(same & earlier).any(dim=-1)
+
+
+class _PolicyTermsFn(torch.autograd.Function):
+    """Outputs ``logprob_all [N, n]`` (column 0: the token, then q) and ``entropy [N]`` (or empty).
+
+    Everything saved is per selected (unmasked) row, in selection order.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, ids2d, valid, plan: _Plan):
+        sh = plan.shard
+        if not logits.is_contiguous():  # a copy: in-place writes must reach the saved tensor
+            logits = logits.contiguous()
+        logits2d = logits.view(-1, sh.width)
+        row_index = None if valid is None else valid.nonzero().squeeze(-1)
+        ids_sel = ids2d if row_index is None else ids2d.index_select(0, row_index)
+        write = plan.inplace  # only set when a backward will follow
+        res = forward_pass(logits2d, ids_sel, sh, plan.group, rows_per_chunk=plan.rows_per_chunk,
+                           row_index=row_index, entropy=plan.entropy, write_exp=write)
+        logprob, ent = res.logprob, res.entropy
+        if row_index is not None:  # masked rows: 0
+            logprob = torch.zeros(ids2d.shape, dtype=logprob.dtype, device=logprob.device).index_copy_(
+                0, row_index, logprob)
+            if ent is not None:
+                ent = torch.zeros(ids2d.shape[0], dtype=ent.dtype, device=ent.device).index_copy_(0, row_index, ent)
+        # bf16 probabilities: keep the exact fp32 log-probs of the picked ids to correct them.
+        exact = res.logprob if write and logits2d.dtype != compute_dtype(logits2d) else None
+        ctx.plan, ctx.logits_shape, ctx.write, ctx.used = plan, logits.shape, write, False
+        # Save the input itself, not a view of it: a view made under no_grad cannot be saved.
+        ctx.save_for_backward(logits, ids_sel, valid, res.lse, res.entropy, exact,
+                              res.local_max if write else None)
+        ctx.set_materialize_grads(False)
+        if ent is None:
+            ent = torch.empty(0, dtype=res.lse.dtype, device=res.lse.device)
+        return logprob, ent
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent):
+        plan, sh = ctx.plan, ctx.plan.shard
+        if ctx.write and ctx.used:
+            raise RuntimeError("inplace_backward=True overwrote its saved state: backward runs once")
+        ctx.used = True
+        logits, ids, valid, lse, ent, exact, local_max = ctx.saved_tensors
+        if g_lp is None and g_ent is None:
+            return None, None, None, None
+        logits2d = logits.view(-1, sh.width)
+        row_index = None if valid is None else valid.nonzero().squeeze(-1)
+        grad2d = logits2d if ctx.write else torch.empty_like(logits2d)
+        if sh.n_real < sh.width:
+            grad2d[:, sh.n_real:].zero_()
+        if valid is not None:
+            grad2d.index_fill_(0, (~valid).nonzero().squeeze(-1), 0)
+        if sh.n_real == 0:
+            return grad2d.view(ctx.logits_shape), None, None, None
+        # Per selected row, all at once: upstream gradients, the dense coefficients, the sparse part.
+        cdt = lse.dtype
+        g = torch.zeros(ids.shape, dtype=cdt, device=lse.device) if g_lp is None else _select(g_lp, row_index).to(cdt)
+        g = torch.where(ids >= sh.vocab_size, torch.zeros_like(g), g)  # -inf outputs: no gradient
+        big_g = g.sum(dim=-1)
+        g_h = None if g_ent is None else _select(g_ent, row_index).to(cdt)
+        lid, owned = owned_columns(ids, sh)
+        sparse = torch.where(owned, g, torch.zeros_like(g))
+        scale = None if local_max is None else torch.exp(row_shift(local_max) - lse)  # p = stored e x scale
+        fix = None
+        if exact is not None:
+            fix = (owned & _first_occurrence(ids), _dense_term(exact.exp(), big_g, g_h, ent))
+        real_in, real_out = logits2d[:, : sh.n_real], grad2d[:, : sh.n_real]
+        for sel, rows in iter_chunks(ids.shape[0], plan.rows_per_chunk, row_index):
+            src = take_rows(real_in, rows)
+            shared = isinstance(rows, slice) and src.dtype == cdt  # work in the output's storage
+            if ctx.write:
+                w = src if shared else src.to(cdt)  # exp(z - local max)
+                w = _dense_from_probs(w, scale[sel], big_g[sel], _rows(g_h, sel), _rows(ent, sel))
+            else:
+                w = _dense_recompute(src, real_out[rows] if shared else None, lse[sel], big_g[sel],
+                                     _rows(g_h, sel), _rows(ent, sel))
+            add = sparse[sel]
+            if fix is not None:  # overwrite the dense term of the picked columns by its fp32 value
+                first, dense = fix
+                add = add + torch.where(first[sel], dense[sel] - w.gather(-1, lid[sel]), torch.zeros_like(add))
+            w.scatter_add_(-1, lid[sel], add)
+            if not shared:
+                put_rows(real_out, rows, w)
+        return grad2d.view(ctx.logits_shape), None, None, None
+
+
+def _select(x: torch.Tensor, row_index: Optional[torch.Tensor]) -> torch.Tensor:
+    return x if row_index is None else x.index_select(0, row_index)
+
+
+def _rows(x: Optional[torch.Tensor], sel: slice) -> Optional[torch.Tensor]:
+    return None if x is None else x[sel].unsqueeze(-1)
+
+
+def _dense_term(p, big_g, g_h, ent):
+    """``-p (G + g_H (log p + H))`` for probabilities ``p`` [r, m] (per-row G, g_H, H)."""
+    out = -p * big_g.unsqueeze(-1)
+    if g_h is not None:
+        out = out - g_h.unsqueeze(-1) * (torch.xlogy(p, p) + p * ent.unsqueeze(-1))
+    return out
+
+
+def _dense_from_probs(e, scale, big_g, g_h, ent):
+    """The dense term from stored ``e = exp(z - local max)`` (``p = e scale``), in place in ``e``."""
+    if g_h is None:
+        return e.mul_(-(big_g * scale).unsqueeze(-1))  # one pass: -G p
+    p = e.mul_(scale.unsqueeze(-1))
+    plogp = torch.xlogy(p, p)
+    return p.mul_(-(big_g.unsqueeze(-1) + g_h * ent)).sub_(plogp.mul_(g_h))
+
+
+def _dense_recompute(z, out, lse, big_g, g_h, ent):
+    """The dense term recomputed from logits ``z`` (written into ``out`` when given, else a private
+    copy in the compute dtype)."""
+    lse = lse.unsqueeze(-1)
+    w = torch.sub(z, lse, out=out) if out is not None else z.to(lse.dtype).sub_(lse)  # log p
+    if g_h is None:
+        return w.exp_().mul_(-big_g.unsqueeze(-1))
+    p = w.exp()
+    return w.mul_(-g_h).sub_(big_g.unsqueeze(-1) + g_h * ent).mul_(p)
+
+
+def vocab_parallel_policy_terms(
+    logits_shard: torch.Tensor,
+    tokens: torch.Tensor,
+    topk_index: Optional[torch.Tensor] = None,
+    *,
+    group,
+    vocab_size: int,
+    with_entropy: bool = False,
+    chunk_size: Optional[int] = None,
+    inplace_backward: bool = False,
+    loss_mask: Optional[torch.Tensor] = None,
+) -> PolicyTerms:
+    """log pi(y), log pi at q and (optionally) the entropy from vocab-sharded logits, differentiable.
+
+    Args:
+        logits_shard: ``[..., V/TP]`` this rank's logits (bf16/fp16/fp32/fp64).
+        tokens: ``[...]`` global ids of the sampled tokens (``< vocab_size`` on unmasked tokens).
+        topk_index: ``[..., k]`` global ids q (k may be 0), or ``None``. Ids in the padding range
+            get log-prob ``-inf`` and no gradient; duplicates are allowed here.
+        group: the tensor-parallel process group (``None``: the shard is the whole vocabulary).
+        vocab_size: true vocabulary size; columns ``>= vocab_size`` are padding (zero probability).
+        with_entropy: also return the per-token entropy (same pass, same collective).
+        chunk_size: tokens per chunk; ``None`` picks a device-dependent size.
+        inplace_backward: store (unnormalised) probabilities over the logits and the gradient over
+            those; the logits are garbage afterwards. See the module docstring.
+        loss_mask: ``[...]`` bool; masked tokens are skipped: outputs 0, zero gradient, no compute.
+
+    Returns:
+        :class:`PolicyTerms`, differentiable w.r.t. ``logits_shard``; one all-gather in forward,
+        none in backward.
+    """
+    sh = vocab_shard(logits_shard, group, vocab_size)
+    lead = logits_shard.shape[:-1]
+    if tokens.shape != lead:
+        raise ValueError(f"tokens shape {tuple(tokens.shape)} does not match logits {tuple(logits_shard.shape)}")
+    valid = None
+    if loss_mask is not None:
+        if loss_mask.shape != lead:
+            raise ValueError(f"loss_mask shape {tuple(loss_mask.shape)} does not match tokens {tuple(lead)}")
+        valid = loss_mask.reshape(-1).to(torch.bool)
+        if bool(valid.all()):
+            valid = None
+    check_ids(tokens.reshape(-1), sh.vocab_size, "tokens", valid)
+    cols = [tokens.reshape(-1, 1)]
+    k = None
+    if topk_index is not None:
+        if topk_index.dim() != len(lead) + 1 or topk_index.shape[:-1] != lead:
+            raise ValueError(
+                f"topk_index shape {tuple(topk_index.shape)} must be tokens shape {tuple(lead)} + (k,)"
+            )
+        k = topk_index.shape[-1]
+        q2d = topk_index.reshape(tokens.numel(), k)
+        check_ids(q2d, sh.padded_vocab_size, "topk_index", valid)
+        cols.append(q2d)
+    ids2d = torch.cat([c.to(torch.int64) for c in cols], dim=-1)
+    # Clobber the logits only when a backward will consume what replaces them.
+    inplace = inplace_backward and torch.is_grad_enabled() and logits_shard.requires_grad
+    plan = _Plan(sh, group, chunk_rows(chunk_size, sh.width, logits_shard.device), with_entropy, inplace)
+    logprob_all, ent = _PolicyTermsFn.apply(logits_shard, ids2d, valid, plan)
+    logprob_all = logprob_all.view(lead + (ids2d.shape[-1],))
+    return PolicyTerms(
+        logprob=logprob_all[..., 0],
+        logprob_topk=None if k is None else logprob_all[..., 1:],
+        entropy=ent.view(lead) if with_entropy else None,
+    )

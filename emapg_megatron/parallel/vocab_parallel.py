@@ -1,0 +1,372 @@
+"""Primitives over logits sharded along the vocabulary (Megatron's ``parallel_output=True`` layout).
+
+Each rank of the tensor-parallel group holds ``[..., V/TP]`` logits: rank ``r`` owns the global ids
+``[r V/TP, (r + 1) V/TP)``. Megatron pads the vocabulary to a multiple of ``divisible_by x TP``;
+ids ``>= vocab_size`` (the true size) are padding. Everything here treats padding as zero
+probability: padding columns are sliced off before any maths (they are never normalised over,
+never selected by top-k, and get zero gradient), which is the single-device library
+(:mod:`emapg_megatron.kl`) applied to the gathered logits ``[..., :vocab_size]``.
+
+The group is always passed explicitly (``None`` means the shard is the whole vocabulary, TP = 1).
+Work is chunked over tokens; a chunk is cast to the compute dtype (fp32, or fp64 for fp64 logits)
+on its own, so no fp32 copy of the whole shard is ever made.
+
+One collective per pass (so at most one per chunk): each rank packs, for every token, its local
+(max, sum-exp[, sum-exp x logit]) and its picked logits (zero where it does not own the id) into
+one buffer, chunk by chunk, and all-gathers it once; every rank then combines the per-rank partials
+online (``lse = M + log sum_r s_r exp(m_r - M)``, picked logits summed over ranks, since exactly one
+rank owns each id). Top-k packs its per-rank candidates (values and global ids, bit-cast into the
+same float buffer) into that one collective as well. The buffer is O(TP (k + 3)) per token.
+
+No RL here; the differentiable fused op lives in :mod:`.policy_terms`.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, NamedTuple, Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "VocabShard",
+    "vocab_shard",
+    "vocab_parallel_logsumexp",
+    "vocab_parallel_topk",
+    "vocab_parallel_logprobs_at",
+]
+
+Rows = Union[slice, torch.Tensor]
+
+# Chunk budgets (elements of the [rows, V/TP] fp32 work buffer): cache-sized on CPU, where every
+# extra pass over RAM costs; large on GPU, where kernel launches cost.
+_CHUNK_ELEMENTS = {"cpu": 1 << 21, "cuda": 1 << 26}
+
+
+class VocabShard(NamedTuple):
+    """Where this rank's columns sit in the global vocabulary."""
+
+    tp: int  # group size
+    rank: int  # rank in the group
+    start: int  # global id of local column 0
+    width: int  # local columns, padding included (V_padded / TP)
+    n_real: int  # local columns below vocab_size (the rest is padding)
+    vocab_size: int  # true vocabulary size
+
+    @property
+    def padded_vocab_size(self) -> int:
+        return self.width * self.tp
+
+
+def vocab_shard(logits_shard: torch.Tensor, group, vocab_size: Optional[int] = None) -> VocabShard:
+    """This rank's :class:`VocabShard`. ``vocab_size=None`` means no padding."""
+    if not logits_shard.is_floating_point():
+        raise TypeError(f"logits must be a floating-point tensor, got {logits_shard.dtype}")
+    if logits_shard.dim() < 1:
+        raise ValueError("logits must have a vocabulary dimension")
+    if group is None:
+        tp, rank = 1, 0
+    else:
+        tp, rank = dist.get_world_size(group), dist.get_rank(group)
+    width = logits_shard.shape[-1]
+    padded = width * tp
+    vocab_size = padded if vocab_size is None else int(vocab_size)
+    if not 0 < vocab_size <= padded:
+        raise ValueError(
+            f"vocab_size {vocab_size} must be in [1, {padded}] (= {width} local columns x TP {tp})"
+        )
+    start = rank * width
+    n_real = min(max(vocab_size - start, 0), width)
+    return VocabShard(tp, rank, start, width, n_real, vocab_size)
+
+
+def compute_dtype(logits: torch.Tensor) -> torch.dtype:
+    return torch.float64 if logits.dtype == torch.float64 else torch.float32
+
+
+def chunk_rows(chunk_size: Optional[int], width: int, device: torch.device) -> int:
+    """Tokens per chunk: ``chunk_size`` or, for ``None``, a device-dependent element budget."""
+    if chunk_size is None:
+        budget = _CHUNK_ELEMENTS["cuda" if device.type == "cuda" else "cpu"]
+        return max(1, budget // max(1, width))
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    return int(chunk_size)
+
+
+def iter_chunks(n_sel: int, rows_per_chunk: int, index: Optional[torch.Tensor]) -> Iterator[Tuple[slice, Rows]]:
+    """``(sel, rows)`` per chunk: ``sel`` slices the selected-row space, ``rows`` selects the same
+    rows of the logits (a slice: a view, no copy; an index tensor when some rows are skipped)."""
+    for c0 in range(0, n_sel, rows_per_chunk):
+        sel = slice(c0, min(c0 + rows_per_chunk, n_sel))
+        yield sel, (sel if index is None else index[sel])
+
+
+def take_rows(x: torch.Tensor, rows: Rows) -> torch.Tensor:
+    return x[rows]
+
+
+def put_rows(dst: torch.Tensor, rows: Rows, src: torch.Tensor) -> None:
+    if isinstance(rows, slice):
+        dst[rows].copy_(src)
+    else:
+        dst.index_copy_(0, rows, src.to(dst.dtype))
+
+
+def owned_columns(ids: torch.Tensor, sh: VocabShard) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Local column of each global id (0 where not owned) and whether this rank owns it.
+
+    Padding ids are owned by nobody: they carry zero probability.
+    """
+    lid = ids - sh.start
+    owned = (lid >= 0) & (lid < sh.n_real)
+    return torch.where(owned, lid, torch.zeros_like(lid)), owned
+
+
+def row_shift(m: torch.Tensor) -> torch.Tensor:
+    """The per-row shift used for ``exp``: the local max, or 0 where a row has no finite logit."""
+    return torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+
+
+class LocalStats(NamedTuple):
+    m: torch.Tensor  # [r] local max (-inf where no real column)
+    s: torch.Tensor  # [r] local sum exp(z - shift)
+    a: Optional[torch.Tensor]  # [r] local sum exp(z - shift) (z - shift), for the entropy
+    e: torch.Tensor  # [r, n_real] exp(z - shift) (the work buffer itself when clobbered)
+
+
+def local_stats(work: torch.Tensor, *, clobber: bool, entropy: bool) -> LocalStats:
+    """Max and sum-exp of ``work`` ([r, n_real], compute dtype) along the last dim.
+
+    ``clobber`` lets the buffer be overwritten with ``exp(work - shift)`` (no extra allocation).
+    """
+    r = work.shape[0]
+    if work.shape[-1] == 0:
+        zero = torch.zeros(r, dtype=work.dtype, device=work.device)
+        return LocalStats(torch.full_like(zero, -float("inf")), zero, zero if entropy else None, work)
+    m = work.amax(dim=-1)
+    shift = row_shift(m).unsqueeze(-1)
+    x = work.sub_(shift) if clobber else work - shift
+    a = None
+    if entropy:
+        x.clamp_(min=torch.finfo(x.dtype).min)  # -inf logits: e = 0 and e x = 0, not NaN
+        e = x.exp()
+        a = torch.linalg.vecdot(e, x)
+        if clobber:
+            e = x.copy_(e)
+    else:
+        e = x.exp_()
+    return LocalStats(m, e.sum(dim=-1), a, e)
+
+
+def all_gather_rows(buf: torch.Tensor, sh: VocabShard, group) -> torch.Tensor:
+    """``[r, W]`` per rank -> ``[TP, r, W]``: the one collective of a pass."""
+    if sh.tp == 1 or buf.numel() == 0:  # every rank has the same rows: skipped everywhere
+        return buf.unsqueeze(0).expand((sh.tp,) + tuple(buf.shape))
+    buf = buf.contiguous()
+    out = torch.empty((sh.tp * buf.shape[0],) + tuple(buf.shape[1:]), dtype=buf.dtype, device=buf.device)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, buf, group=group)
+    return out.view((sh.tp,) + tuple(buf.shape))
+
+
+class Combined(NamedTuple):
+    lse: torch.Tensor  # [r] global log-normaliser
+    picked: torch.Tensor  # [r, n] global logits at the requested ids (0 for padding ids)
+    entropy: Optional[torch.Tensor]  # [r]
+
+
+def combine(stats: torch.Tensor, n_picked: int, entropy: bool) -> Combined:
+    """Merge per-rank partials ``[TP, r, W]`` (columns m, s, [a], picked) online."""
+    m, s = stats[..., 0], stats[..., 1]
+    big_m = m.amax(dim=0)
+    shift = row_shift(m)
+    mass = torch.exp(shift - big_m) * s  # [TP, r]; ranks without mass have s = 0
+    lse = big_m + mass.sum(dim=0).log()
+    off = 3 if entropy else 2
+    picked = stats[..., off:off + n_picked].sum(dim=0)
+    ent = None
+    if entropy:
+        # H = lse - sum_v p_v z_v = sum_r exp(shift_r - lse) [s_r (lse - shift_r) - a_r]
+        term = torch.exp(shift - lse) * (s * (lse - shift) - stats[..., 2])
+        ent = torch.where(s > 0, term, torch.zeros_like(term)).sum(dim=0)
+    return Combined(lse, picked, ent)
+
+
+def gather_picked(work: torch.Tensor, lid: torch.Tensor, owned: torch.Tensor) -> torch.Tensor:
+    """Local logits at the owned ids, 0 elsewhere (read before ``work`` is clobbered)."""
+    if work.shape[-1] == 0 or lid.shape[-1] == 0:
+        return torch.zeros(lid.shape, dtype=work.dtype, device=work.device)
+    vals = work.gather(-1, lid)
+    return torch.where(owned, vals, torch.zeros_like(vals))
+
+
+class ForwardResult(NamedTuple):
+    """Per selected row: the global log-normaliser, the log-probs at the ids (-inf at padding ids),
+    the entropy and this rank's max (the shift of the stored ``exp(z - shift)``)."""
+
+    lse: torch.Tensor  # [R]
+    logprob: torch.Tensor  # [R, n]
+    entropy: Optional[torch.Tensor]  # [R]
+    local_max: torch.Tensor  # [R]
+
+
+def forward_pass(
+    logits2d: torch.Tensor,
+    ids2d: Optional[torch.Tensor],
+    sh: VocabShard,
+    group,
+    *,
+    rows_per_chunk: int,
+    row_index: Optional[torch.Tensor] = None,
+    entropy: bool = False,
+    write_exp: bool = False,
+) -> ForwardResult:
+    """Log-normaliser, log-probs at ``ids2d`` ([R, n] global ids of the selected rows) and entropy.
+
+    The rows (all, or ``row_index``) are processed chunk by chunk, each chunk cast to the compute
+    dtype on its own; the per-rank partials of every chunk go into one packed buffer and out in
+    ONE all-gather for the whole pass. ``write_exp`` overwrites the real columns of the selected
+    rows of ``logits2d`` with ``exp(z - local_max)`` in the logits' dtype: the probabilities up to
+    the per-row factor ``exp(local_max - lse)``.
+    """
+    cdt = compute_dtype(logits2d)
+    n_sel = logits2d.shape[0] if row_index is None else row_index.numel()
+    n = 0 if ids2d is None else ids2d.shape[-1]
+    off = 3 if entropy else 2
+    buf = torch.empty(n_sel, off + n, dtype=cdt, device=logits2d.device)
+    lid = owned = None
+    if n:
+        lid, owned = owned_columns(ids2d, sh)
+    real = logits2d[:, : sh.n_real]
+    for sel, rows in iter_chunks(n_sel, rows_per_chunk, row_index):
+        z = take_rows(real, rows)
+        # Work in place only where the buffer is ours (a cast or an index copy) or may be clobbered.
+        private = z.dtype != cdt or not isinstance(rows, slice)
+        work = z.to(cdt)
+        if n:
+            buf[sel, off:] = gather_picked(work, lid[sel], owned[sel])
+        st = local_stats(work, clobber=private or write_exp, entropy=entropy)
+        buf[sel, 0], buf[sel, 1] = st.m, st.s
+        if entropy:
+            buf[sel, 2] = st.a
+        if write_exp and private and sh.n_real > 0:
+            put_rows(real, rows, st.e)
+    comb = combine(all_gather_rows(buf, sh, group), n, entropy)
+    lp = comb.picked - comb.lse.unsqueeze(-1)
+    if n:
+        lp = torch.where(ids2d >= sh.vocab_size, torch.full_like(lp, -float("inf")), lp)
+    return ForwardResult(comb.lse, lp, comb.entropy, buf[:, 0].clone())
+
+
+def check_ids(ids: torch.Tensor, upper: int, what: str, valid: Optional[torch.Tensor] = None) -> None:
+    """``ValueError`` unless every id (on the ``valid`` rows) lies in ``[0, upper)``."""
+    if ids.is_floating_point() or ids.dtype == torch.bool:
+        raise TypeError(f"{what} must be an integer tensor, got {ids.dtype}")
+    if ids.numel() == 0:
+        return
+    bad = (ids < 0) | (ids >= upper)
+    if valid is not None:
+        bad = bad & (valid.unsqueeze(-1) if bad.dim() > valid.dim() else valid)
+    if bool(bad.any()):
+        raise ValueError(f"{what} holds ids outside [0, {upper}) ({int(bad.sum())} entries)")
+
+
+def _flat(logits_shard: torch.Tensor) -> torch.Tensor:
+    return logits_shard.reshape(-1, logits_shard.shape[-1])
+
+
+@torch.no_grad()
+def vocab_parallel_logsumexp(
+    logits_shard: torch.Tensor, group, *, vocab_size: Optional[int] = None, chunk_size: Optional[int] = None
+) -> torch.Tensor:
+    """``log sum_v exp(z_v)`` over the real vocabulary: ``[..., V/TP]`` -> ``[...]`` (fp32; fp64 for
+    fp64 logits). No gradient. ``vocab_size=None``: every column is real."""
+    sh = vocab_shard(logits_shard, group, vocab_size)
+    z = _flat(logits_shard)
+    res = forward_pass(z, None, sh, group, rows_per_chunk=chunk_rows(chunk_size, sh.width, z.device))
+    return res.lse.view(logits_shard.shape[:-1])
+
+
+@torch.no_grad()
+def vocab_parallel_logprobs_at(
+    logits_shard: torch.Tensor,
+    ids: torch.Tensor,
+    *,
+    group,
+    vocab_size: Optional[int] = None,
+    chunk_size: Optional[int] = None,
+) -> torch.Tensor:
+    """Log-probabilities at global ids: ``ids`` ``[...]`` (one per token) or ``[..., n]``.
+
+    Each id is owned by exactly one rank; the result is replicated on every rank (fp32; fp64 for
+    fp64 logits), ``-inf`` at padding ids. No gradient (use
+    :func:`~emapg_megatron.parallel.vocab_parallel_policy_terms` for the differentiable version).
+    """
+    sh = vocab_shard(logits_shard, group, vocab_size)
+    lead = logits_shard.shape[:-1]
+    single = ids.shape == lead
+    if not single and ids.shape[:-1] != lead:
+        raise ValueError(f"ids shape {tuple(ids.shape)} does not match logits {tuple(logits_shard.shape)}")
+    check_ids(ids, sh.padded_vocab_size, "ids")
+    n_rows = logits_shard.numel() // sh.width if sh.width else 0
+    ids2d = ids.reshape(n_rows, 1) if single else ids.reshape(n_rows, ids.shape[-1])
+    z = _flat(logits_shard)
+    res = forward_pass(z, ids2d.long(), sh, group, rows_per_chunk=chunk_rows(chunk_size, sh.width, z.device))
+    return res.logprob.view(ids.shape)
+
+
+@torch.no_grad()
+def vocab_parallel_topk(
+    logits_shard: torch.Tensor,
+    k: int,
+    *,
+    vocab_size: Optional[int],
+    group,
+    chunk_size: Optional[int] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Global top-k over the real vocabulary: ``(ids [..., k] int64, logprobs [..., k])``, sorted by
+    decreasing log-prob, identical on every rank. No gradient.
+
+    Each rank takes its local top-``min(k, V/TP)`` of the real columns; the candidates (values and
+    global ids) and the log-normaliser partials go out in one all-gather; the top-k of the gathered
+    candidates is global. Padding ids can never be selected: they are not candidates, and the
+    filler slots of a rank with fewer real columns than candidates rank below every real logit.
+    """
+    sh = vocab_shard(logits_shard, group, vocab_size)
+    lead = logits_shard.shape[:-1]
+    if not 0 <= k <= sh.vocab_size:
+        raise ValueError(f"k={k} must be in [0, vocab_size={sh.vocab_size}]")
+    cdt = compute_dtype(logits_shard)
+    dev = logits_shard.device
+    z2d = _flat(logits_shard)
+    n_rows = z2d.shape[0]
+    if k == 0 or n_rows == 0:
+        return (torch.empty(lead + (k,), dtype=torch.int64, device=dev),
+                torch.empty(lead + (k,), dtype=cdt, device=dev))
+    int_dt = torch.int64 if cdt == torch.float64 else torch.int32  # same width: ids ride bit-cast
+    kc = min(k, sh.width)  # candidates per rank (the same on every rank)
+    kl = min(kc, sh.n_real)  # of which real
+    # One packed buffer for the pass: m, s, candidate values, candidate global ids (bit-cast).
+    buf = torch.empty(n_rows, 2 + 2 * kc, dtype=cdt, device=dev)
+    buf[:, 2:2 + kc] = -float("inf")
+    buf[:, 2 + kc:].view(int_dt).fill_(-1)
+    real = z2d[:, : sh.n_real]
+    for sel, rows in iter_chunks(n_rows, chunk_rows(chunk_size, sh.width, dev), None):
+        work = real[rows].to(cdt)
+        if kl > 0:
+            vals, idx = work.topk(kl, dim=-1)
+            buf[sel, 2:2 + kl] = vals
+            buf[sel, 2 + kc:2 + kc + kl].view(int_dt).copy_(idx + sh.start)
+        st = local_stats(work, clobber=real.dtype != cdt, entropy=False)  # clobber a cast copy only
+        buf[sel, 0], buf[sel, 1] = st.m, st.s
+    stats = all_gather_rows(buf, sh, group)  # [TP, N, 2 + 2 kc]
+    lse = combine(stats[..., :2], 0, False).lse
+    all_v = stats[..., 2:2 + kc].permute(1, 0, 2).reshape(n_rows, sh.tp * kc)
+    all_i = stats[..., 2 + kc:].view(int_dt).permute(1, 0, 2).reshape(n_rows, sh.tp * kc)
+    # Fillers rank below every real logit, real -inf logits included.
+    key = torch.where(all_i >= 0, all_v.clamp(min=torch.finfo(cdt).min), torch.full_like(all_v, -float("inf")))
+    top = key.topk(k, dim=-1).indices
+    out_ids = all_i.gather(-1, top).long()
+    out_lp = all_v.gather(-1, top) - lse.unsqueeze(-1)
+    return out_ids.view(lead + (k,)), out_lp.view(lead + (k,))

@@ -56,7 +56,7 @@ class CudaToCpuMode(TorchFunctionMode):
             return func(*args).replace("torch.", "torch.cuda.", 1)
         if "device" in kwargs:
             kwargs["device"] = _map_device(kwargs["device"])
-        if func in (torch.Tensor.to, torch.Tensor.new_empty) and len(args) > 1:
+        if func is torch.Tensor.to and len(args) > 1:  # .to("cuda") and .to(device, dtype)
             args = (args[0], _map_device(args[1])) + tuple(args[2:])
         return func(*args, **kwargs)
 

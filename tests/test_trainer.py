@@ -66,13 +66,14 @@ def test_anchor_starts_at_the_policy_and_rollout_logprobs_match(init_ckpt, refer
 COMPARED = ("reward_mean", "kl", "pg_loss", "entropy", "clip_frac", "ema_lag")
 
 
-@pytest.mark.parametrize("layout", [
-    ["--tensor-model-parallel-size", "2"],
-    ["--pipeline-model-parallel-size", "2"],
-    ["--use-distributed-optimizer"],  # DP=2
-])
-def test_layouts_match_single_rank(layout, init_ckpt, reference, tmp_path):
-    r = torchrun(2, ["--train-iters", "3", "--pretrained-checkpoint", init_ckpt, *layout], tmp_path)
+@pytest.mark.parametrize("nproc, layout", [
+    (2, ["--tensor-model-parallel-size", "2"]),
+    (2, ["--pipeline-model-parallel-size", "2"]),
+    (2, ["--use-distributed-optimizer"]),  # DP=2
+    (4, ["--tensor-model-parallel-size", "2", "--use-distributed-optimizer"]),  # TP=2 x DP=2
+], ids=["tp2", "pp2", "dp2", "tp2xdp2"])
+def test_layouts_match_single_rank(nproc, layout, init_ckpt, reference, tmp_path):
+    r = torchrun(nproc, ["--train-iters", "3", "--pretrained-checkpoint", init_ckpt, *layout], tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
     got = metrics(tmp_path)
     assert [m["step"] for m in got] == [1, 2, 3]

@@ -108,7 +108,6 @@ def build_run(args, tokenizer, task, model_cfg):
 
     from emapg_megatron.algo.policy_loss import LossConfig
     from emapg_megatron.anchor import EmaAnchor, EmaConfig, StabilityMonitor
-    from emapg_megatron.rollout.megatron_sampler import MegatronSampler
     from emapg_megatron.trainer import KLConfig, PolicyPasses, StepConfig, Trainer
     from emapg_megatron.training.model_and_optimizer import OptimConfig, build_model_and_optimizer
     from emapg_megatron.training.prompt_data import PromptSchedule

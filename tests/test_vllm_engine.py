@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from emapg_megatron.models.gpt import ModelConfig
-from emapg_megatron.rollout.vllm_engine import (INSTALL_HINT, Episode, Turn, VLLMConfig, VLLMEngine,
-                                                load_generation_backend, logprob_mismatch,
-                                                pack_episodes, request_seed)
+from emapg_megatron.rollout.engine import logprob_mismatch
+from emapg_megatron.rollout.episodes import Episode, Turn, pack_episodes
+from emapg_megatron.rollout.vllm_engine import (INSTALL_HINT, VLLMConfig, VLLMEngine,
+                                                load_generation_backend, request_seed)
 from emapg_megatron.rollout.weight_sync import rebucket
 from emapg_megatron.runtime import ConfigError
 

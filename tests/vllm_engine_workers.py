@@ -26,7 +26,8 @@ def sync_mismatch_and_broadcast(bucket_bytes: int) -> dict:
     from emapg_megatron.checkpoint.weights import export_hf_weights
     from emapg_megatron.models.gpt import build_for_this_rank
     from emapg_megatron.rollout.engine import build_rollout_batch
-    from emapg_megatron.rollout.vllm_engine import broadcast_rollout_batch, logprob_mismatch
+    from emapg_megatron.rollout.engine import logprob_mismatch
+    from emapg_megatron.rollout.vllm_engine import broadcast_rollout_batch
     from emapg_megatron.rollout.weight_sync import sync_weights
 
     rank = dist.get_rank()
@@ -115,7 +116,8 @@ def vllm_round_trip(hf_dir: str) -> dict:
     with the Megatron model's own log-probs of the sampled tokens; sleep frees memory."""
     from emapg_megatron.checkpoint.hf_config import model_config_from_hf, read_hf_config
     from emapg_megatron.models.gpt import PrecisionConfig, build_for_this_rank
-    from emapg_megatron.rollout.vllm_engine import VLLMConfig, VLLMEngine, logprob_mismatch
+    from emapg_megatron.rollout.engine import logprob_mismatch
+    from emapg_megatron.rollout.vllm_engine import VLLMConfig, VLLMEngine
 
     cfg, _ = model_config_from_hf(read_hf_config(hf_dir), make_vocab_size_divisible_by=64)
     model = build_for_this_rank(cfg, PrecisionConfig(bf16=True)).cuda()

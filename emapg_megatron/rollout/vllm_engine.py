@@ -44,8 +44,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from emapg_megatron.rollout.engine import RolloutBatch, build_rollout_batch, logprob_mismatch  # noqa: F401
-from emapg_megatron.rollout.episodes import Episode, Turn, pack_episodes, run_episodes  # noqa: F401
+from emapg_megatron.rollout.engine import RolloutBatch, build_rollout_batch
+from emapg_megatron.rollout.episodes import Episode, Turn, run_episodes
 from emapg_megatron.runtime import ConfigError
 
 logger = logging.getLogger(__name__)

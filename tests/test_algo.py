@@ -14,7 +14,8 @@ def test_group_global_and_no_std_advantages():
         torch.testing.assert_close(g[4 * i:4 * i + 4], (grp - grp.mean()) / grp.std())
     glob = compute_advantages(r, 4, "global", eps=0.0)
     means = r.view(2, 4).mean(1).repeat_interleave(4)
-    torch.testing.assert_close(glob, (r - means) / r.std())
+    a = r - means  # Appendix B: z-score of the flattened group-centred advantages
+    torch.testing.assert_close(glob, (a - a.mean()) / a.std())
     torch.testing.assert_close(compute_advantages(r, 4, "none"), r - means)
     # A group with identical rewards has zero advantage, not NaN.
     assert torch.equal(compute_advantages(torch.ones(4), 4, "group"), torch.zeros(4))

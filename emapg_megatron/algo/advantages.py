@@ -10,7 +10,8 @@ def compute_advantages(rewards: torch.Tensor, n: int, mode: str = "group",
     """``rewards`` ``[B*n]``, grouped by prompt. Returns one advantage per sequence.
 
     * ``group``: (R - mean) / (std + eps) within each prompt's group (GRPO);
-    * ``global``: (R - group mean) / (std over the whole batch + eps) (Appendix B);
+    * ``global``: the group-centred advantages A = R - group mean, z-scored over the flattened
+      batch, (A - mean(A)) / (std(A) + eps) (Appendix B; no per-prompt std);
     * ``none``: R - group mean, no std division (Dr. GRPO style).
     """
     if rewards.numel() % n != 0:
@@ -20,7 +21,7 @@ def compute_advantages(rewards: torch.Tensor, n: int, mode: str = "group",
     if mode == "group":
         adv = centred / (r.std(dim=1, keepdim=True, unbiased=True) + eps)
     elif mode == "global":
-        adv = centred / (rewards.float().std(unbiased=True) + eps)
+        adv = (centred - centred.mean()) / (centred.std(unbiased=True) + eps)
     elif mode == "none":
         adv = centred
     else:

@@ -54,11 +54,15 @@ def reference(init_ckpt, tmp_path_factory):
 
 def test_anchor_starts_at_the_policy_and_rollout_logprobs_match(init_ckpt, reference, tmp_path):
     # One mini-batch per step: the first loss sees pi_theta == pi_ema exactly.
-    r = torchrun(1, ["--train-iters", "1", "--global-batch-size", "16",
+    r = torchrun(1, ["--train-iters", "1", "--global-batch-size", "16", "--ema-stability-interval", "1",
                      "--pretrained-checkpoint", init_ckpt], tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
     (first,) = metrics(tmp_path)
     assert abs(first["kl"]) < 1e-6
+    # The stability monitor (eq. 28) is wired with this run's eta, lr and beta.
+    assert first["ema/fisher_trace"] > 0
+    expected = 1 + 0.5 - first["lr"] * 0.001 * first["ema/fisher_trace"]
+    assert first["ema/stability_margin"] == pytest.approx(expected, rel=1e-9)
     assert first["rollout_logprob_diff"] < 1e-5  # sampler and trainer agree (padding excluded)
     assert reference[-1]["kl"] > 1e-5  # later the policy moves away from the anchor
 

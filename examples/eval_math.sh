@@ -21,17 +21,10 @@ require_env DATA_DIR
 EVAL_FILES=${EVAL_FILES:-math500.jsonl minerva.jsonl aime24.jsonl aime25.jsonl olympiadbench.jsonl}
 N_SAMPLES=${N_SAMPLES:-32}
 
-if [[ -n "${HF_MODEL:-}" ]]; then
-    HF_DIR=$HF_MODEL
-else
-    require_env CKPT MODEL_DIR
-    HF_DIR=${HF_DIR:-$CKPT-hf}
-    emapg_convert_to_hf "$CKPT" "$HF_DIR" "$MODEL_DIR"
-fi
+resolve_eval_hf_dir
 OUT_DIR=${OUT_DIR:-$HF_DIR-eval-math}
 
-DATA=()
-for f in $EVAL_FILES; do DATA+=("$DATA_DIR/$f"); done
+eval_data_files
 
 emapg_evaluate \
     --task math \

@@ -16,17 +16,10 @@ source "$(dirname "$0")/lib/launch.sh"
 require_env DATA_DIR RETRIEVER
 EVAL_FILES=${EVAL_FILES:-test.parquet}
 
-if [[ -n "${HF_MODEL:-}" ]]; then
-    HF_DIR=$HF_MODEL
-else
-    require_env CKPT MODEL_DIR
-    HF_DIR=${HF_DIR:-$CKPT-hf}
-    emapg_convert_to_hf "$CKPT" "$HF_DIR" "$MODEL_DIR"
-fi
+resolve_eval_hf_dir
 OUT_DIR=${OUT_DIR:-$HF_DIR-eval-search}
 
-DATA=()
-for f in $EVAL_FILES; do DATA+=("$DATA_DIR/$f"); done
+eval_data_files
 
 emapg_evaluate \
     --task search \

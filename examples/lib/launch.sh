@@ -63,3 +63,21 @@ PY
     fi
     "$PYTHON" -m emapg_megatron.evaluate "$@"
 }
+
+# The HF directory an evaluation reads: $HF_MODEL, or $CKPT converted to HF format (MODEL_DIR
+# supplies config.json and the tokenizer). Sets HF_DIR.
+resolve_eval_hf_dir() {
+    if [[ -n "${HF_MODEL:-}" ]]; then
+        HF_DIR=$HF_MODEL
+    else
+        require_env CKPT MODEL_DIR
+        HF_DIR=${HF_DIR:-$CKPT-hf}
+        emapg_convert_to_hf "$CKPT" "$HF_DIR" "$MODEL_DIR"
+    fi
+}
+
+# DATA=( $DATA_DIR/<each file in $EVAL_FILES> )
+eval_data_files() {
+    DATA=()
+    for f in $EVAL_FILES; do DATA+=("$DATA_DIR/$f"); done
+}

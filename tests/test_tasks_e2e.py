@@ -49,3 +49,22 @@ def test_search_task_trains_two_steps_at_tp2(tiny_hf, tmp_path):
                              "--max-new-tokens", "8"])
     assert [m["step"] for m in ms] == [1, 2]
     assert all(m["response_len"] > 0 for m in ms)
+
+
+def test_evaluate_load_runs_on_cpu_with_the_megatron_sampler(tiny_hf, tmp_path):
+    """Without vLLM or a GPU, `evaluate --load HF_DIR` generates with the built-in sampler."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "eval"
+    r = subprocess.run([sys.executable, "-m", "emapg_megatron.evaluate", "--task", "math",
+                        "--data", os.path.join(SAMPLES, "math.jsonl"), "--load", tiny_hf,
+                        "--n-samples", "2", "--max-new-tokens", "6", "--out", str(out)],
+                       capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    lines = (out / "responses.jsonl").read_text().splitlines()
+    assert len(lines) == 36 and all(len(json.loads(x)["responses"]) == 2 for x in lines)
+    assert "pass@1" in json.dumps(results).lower()
+    assert (out / "passk.png").is_file()

@@ -10,6 +10,11 @@ COMMON = dict(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_
 # name -> (family, config overrides, dtype, save_pretrained kwargs)
 MODELS = {
     "llama_gqa_untied": ("llama", dict(rope_theta=500000.0), torch.float32, {}),
+    # Llama 3.1/3.2-style RoPE scaling (factor 32 as in Llama 3.2); short contexts still use the
+    # scaled low frequencies, so a missing or wrong scaling changes the logits.
+    "llama32_rope_scaled_untied": ("llama", dict(rope_theta=500000.0, rope_scaling={
+        "rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192}), torch.float32, {}),
     "qwen2_bias_tied": ("qwen2", dict(tie_word_embeddings=True, rms_norm_eps=1e-5), torch.float32,
                         dict(max_shard_size="100KB")),  # sharded input with an index
     "qwen3_qknorm_untied": ("qwen3", dict(head_dim=24), torch.float32, {}),

@@ -194,8 +194,12 @@ def test_pre_v5_qwen25_config_is_read():
 
 @pytest.mark.parametrize("change,message", [
     (dict(architectures=["MistralForCausalLM"]), "unsupported architecture"),
-    (dict(rope_parameters={"rope_type": "llama3", "factor": 8.0, "rope_theta": 5e5}),
-     "rope scaling 'llama3'"),
+    # Megatron reproduces llama3 scaling only with Llama 3.x's fixed frequency factors.
+    (dict(rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0,
+                           "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
+                           "rope_theta": 5e5}), "llama3 rope scaling with"),
+    (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 5e5}),
+     "rope scaling 'yarn'"),
     (dict(attention_bias=True), "attention_bias"),
     (dict(hidden_act="gelu"), "hidden_act"),
 ])

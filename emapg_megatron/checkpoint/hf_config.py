@@ -23,7 +23,7 @@ ARCHITECTURES = {
 # ModelConfig fields that describe the network (the rest are Megatron-side choices).
 ARCH_FIELDS = ("vocab_size", "hidden_size", "ffn_hidden_size", "num_layers", "num_attention_heads",
                "num_query_groups", "kv_channels", "rotary_base", "norm_epsilon", "add_qkv_bias",
-               "qk_layernorm", "tie_word_embeddings")
+               "qk_layernorm", "tie_word_embeddings", "rope_scaling_factor")
 
 _DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
@@ -50,12 +50,27 @@ def hf_dtype(hf: dict) -> str | None:
     return _DTYPES.get(hf.get("dtype") or hf.get("torch_dtype"))
 
 
+# The llama3 RoPE scaling Megatron reproduces: only the factor is configurable there.
+_MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192}
+
+
 def _rope(hf: dict) -> tuple[float, str]:
     params = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling") or {}
     theta = hf.get("rope_theta", params.get("rope_theta", 10000.0))
     kind = scaling.get("rope_type", scaling.get("type")) or params.get("rope_type") or "default"
     return float(theta), kind
+
+
+def _rope_scaling(hf: dict) -> dict:
+    return {**(hf.get("rope_parameters") or {}), **(hf.get("rope_scaling") or {})}
+
+
+def _llama3_rope_problem(hf: dict) -> str | None:
+    scaling = _rope_scaling(hf)
+    off = {k: scaling.get(k) for k, v in _MEGATRON_LLAMA3_ROPE.items() if float(scaling.get(k, -1)) != v}
+    return f"llama3 rope scaling with {off} (Megatron fixes {_MEGATRON_LLAMA3_ROPE})" if off else None
 
 
 def _reject_unsupported(hf: dict, arch: str) -> None:
@@ -68,7 +83,11 @@ def _reject_unsupported(hf: dict, arch: str) -> None:
     if hf.get("attention_bias") and not qkv_bias:
         problems.append("attention_bias=true (o_proj bias)")
     _, rope_kind = _rope(hf)
-    if rope_kind != "default":
+    if rope_kind == "llama3":
+        problem = _llama3_rope_problem(hf)
+        if problem:
+            problems.append(problem)
+    elif rope_kind != "default":
         problems.append(f"rope scaling {rope_kind!r}")
     if hf.get("use_sliding_window"):
         problems.append("use_sliding_window=true")
@@ -87,7 +106,7 @@ def model_config_from_hf(hf: dict, *, make_vocab_size_divisible_by: int = 128) -
     heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
     groups = hf.get("num_key_value_heads") or heads
     head_dim = hf.get("head_dim")
-    theta, _ = _rope(hf)
+    theta, rope_kind = _rope(hf)
     cfg = ModelConfig(
         vocab_size=hf["vocab_size"],
         hidden_size=hidden,
@@ -98,6 +117,7 @@ def model_config_from_hf(hf: dict, *, make_vocab_size_divisible_by: int = 128) -
         kv_channels=head_dim if head_dim and head_dim * heads != hidden else None,
         max_position_embeddings=hf.get("max_position_embeddings", 4096),
         rotary_base=theta,
+        rope_scaling_factor=float(_rope_scaling(hf)["factor"]) if rope_kind == "llama3" else None,
         norm_epsilon=hf.get("rms_norm_eps", 1e-6),
         add_qkv_bias=qkv_bias,
         qk_layernorm=qk_norm,
@@ -134,12 +154,16 @@ def hf_config_from_model(cfg: ModelConfig, arch: str, *, base: dict | None = Non
         out["head_dim"] = cfg.kv_channels or cfg.hidden_size // heads
     if model_type != "qwen2":
         out["attention_bias"] = False
+    scaling = ({"rope_type": "llama3", "factor": cfg.rope_scaling_factor, **_MEGATRON_LLAMA3_ROPE}
+               if cfg.rope_scaling_factor is not None else {"rope_type": "default"})
     # transformers >= 5 writes rope_parameters, older versions rope_theta: keep the base's style.
     if "rope_parameters" in out or base is None:
-        out["rope_parameters"] = {**out.get("rope_parameters", {}), "rope_type": "default",
+        out["rope_parameters"] = {**out.get("rope_parameters", {}), **scaling,
                                   "rope_theta": cfg.rotary_base}
     else:
         out["rope_theta"] = cfg.rotary_base
+        if cfg.rope_scaling_factor is not None:
+            out["rope_scaling"] = scaling
     if dtype is not None:
         name = {v: k for k, v in _DTYPES.items()}[dtype]
         out["torch_dtype" if "torch_dtype" in out else "dtype"] = name

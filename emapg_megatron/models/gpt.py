@@ -28,6 +28,9 @@ class ModelConfig:
     kv_channels: int | None = None  # HF head_dim
     max_position_embeddings: int = 256
     rotary_base: float = 10000.0
+    # Llama 3.1-style frequency scaling (HF rope_type "llama3"); None: plain RoPE. Megatron fixes
+    # low/high frequency factors 1/4 and an original context of 8192, as Llama 3.x uses.
+    rope_scaling_factor: float | None = None
     norm_epsilon: float = 1e-6
     add_qkv_bias: bool = False  # Qwen2 / Qwen2.5
     qk_layernorm: bool = False  # Qwen3
@@ -187,6 +190,8 @@ def build_gpt_model(cfg: ModelConfig, *, tp: int = 1, pp: int = 1, pre_process: 
         share_embeddings_and_output_weights=cfg.tie_word_embeddings,
         position_embedding_type="rope",
         rotary_base=int(cfg.rotary_base),
+        rope_scaling=cfg.rope_scaling_factor is not None,
+        rope_scaling_factor=cfg.rope_scaling_factor or 8.0,
         vp_stage=vp_stage,
     )
     return model

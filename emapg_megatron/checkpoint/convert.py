@@ -210,7 +210,9 @@ def single_process_runtime():
 def _build_tp1(cfg: ModelConfig, tp: int, dtype: str):
     # Padded as a TP=tp model is, so the stored embedding has exactly that model's shape.
     padded = replace(cfg, make_vocab_size_divisible_by=cfg.make_vocab_size_divisible_by * tp)
-    model = build_gpt_model(padded, prec=PrecisionConfig(bf16=dtype == "bf16"))
+    # Every weight is overwritten from the HF files (missing ones are an error), so skip the init.
+    model = build_gpt_model(padded, prec=PrecisionConfig(bf16=dtype == "bf16"),
+                            perform_initialization=False)
     # As Megatron's Float16Module does: the local spec's norms are created in fp32.
     return model.bfloat16() if dtype == "bf16" else model
 

@@ -120,7 +120,7 @@ def validate_precision(prec: PrecisionConfig, device_type: str) -> None:
 
 
 def transformer_config(cfg: ModelConfig, tp: int, pp: int, prec: PrecisionConfig | None = None,
-                       *, sequence_parallel: bool = False):
+                       *, sequence_parallel: bool = False, perform_initialization: bool = True):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     prec = prec or PrecisionConfig()
@@ -144,6 +144,7 @@ def transformer_config(cfg: ModelConfig, tp: int, pp: int, prec: PrecisionConfig
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=cfg.init_method_std,
+        perform_initialization=perform_initialization,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         sequence_parallel=sequence_parallel and tp > 1,
@@ -171,14 +172,19 @@ def layer_spec(cfg: ModelConfig, device_type: str):
 
 def build_gpt_model(cfg: ModelConfig, *, tp: int = 1, pp: int = 1, pre_process: bool = True,
                     post_process: bool = True, prec: PrecisionConfig | None = None,
-                    device_type: str = "cpu", vp_stage: int | None = None):
-    """Build this rank's shard of the model (call after :func:`emapg_megatron.runtime.initialize`)."""
+                    device_type: str = "cpu", vp_stage: int | None = None,
+                    perform_initialization: bool = True):
+    """Build this rank's shard of the model (call after :func:`emapg_megatron.runtime.initialize`).
+
+    ``perform_initialization=False`` skips the random init (weights are left uninitialised):
+    only for callers that overwrite every weight, like the converter.
+    """
     from megatron.core.models.gpt import GPTModel
 
     prec = prec or PrecisionConfig()
     cfg.validate(tp, pp)
     validate_precision(prec, device_type)
-    tcfg = transformer_config(cfg, tp, pp, prec)
+    tcfg = transformer_config(cfg, tp, pp, prec, perform_initialization=perform_initialization)
     model = GPTModel(
         config=tcfg,
         transformer_layer_spec=layer_spec(cfg, device_type),

@@ -18,7 +18,9 @@ pytestmark = pytest.mark.slow
 BASE = ["--preset", "tiny-cpu", "--rollout-batch-size", "4", "--num-samples-per-prompt", "4",
         "--micro-batch-size", "4", "--global-batch-size", "8", "--ppo-epochs", "1",
         "--ema-update-period", "1", "--ema-eta", "0.5", "--max-new-tokens", "4",
-        "--tensor-model-parallel-size", "1", "--untie-embeddings-and-output-weights"]
+        "--tensor-model-parallel-size", "1", "--untie-embeddings-and-output-weights",
+        # The WARP sequence-KL reward is on in every run, so layouts and resume cover it too.
+        "--kl-in-reward-coef", "0.05"]
 
 
 def torchrun(nproc, argv, log_dir, timeout=300, wait=True):

@@ -54,17 +54,17 @@ def test_search_sample_subprocess(tmp_path):
     assert (out / "passk.png").exists() and (out / "results.md").exists()
 
 
-def test_load_without_vllm_is_a_one_line_error(tmp_path, capsys):
-    pytest.importorskip("emapg_megatron.rollout.vllm_engine")
+def test_load_of_a_non_hf_directory_is_a_one_line_error(tmp_path, capsys):
+    """Without vLLM (this CPU machine) --load uses the Megatron sampler, which needs an HF dir."""
     import importlib.util
 
     if importlib.util.find_spec("vllm") is not None:
-        pytest.skip("vLLM is installed: --load would really generate")
+        pytest.skip("vLLM is installed: --load goes to the vLLM backend")
     rc = evaluate.main(["--task", "search", "--data", os.path.join(S, "qa.jsonl"), "--load", "/no/ckpt",
                         "--n-samples", "2", "--out", str(tmp_path)])
     assert rc == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("error: ") and "needs vLLM" in err and "\n" not in err
+    assert err.startswith("error: ") and "not a Hugging Face directory" in err and "\n" not in err
 
 
 def test_too_few_responses_is_reported(tmp_path, capsys):

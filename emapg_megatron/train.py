@@ -71,10 +71,6 @@ def model_config(args):
     )
 
 
-def parse_for_tests(argv):
-    return arguments.parse_args(argv)
-
-
 def precision_config(args):
     from emapg_megatron.models.gpt import PrecisionConfig
 

@@ -40,7 +40,7 @@ class KLConfig:
         return self.loss_type.startswith("topk-") and self.k > 0
 
 
-def shifted(batch_tokens: torch.Tensor, per_token: torch.Tensor) -> torch.Tensor:
+def shifted(per_token: torch.Tensor) -> torch.Tensor:
     """Align a per-token tensor with next-token prediction: position p predicts p+1."""
     out = torch.zeros_like(per_token)
     out[:, :-1] = per_token[:, 1:]
@@ -48,13 +48,11 @@ def shifted(batch_tokens: torch.Tensor, per_token: torch.Tensor) -> torch.Tensor
 
 
 def training_batch(rollout) -> dict:
-    labels = torch.zeros_like(rollout.tokens)
-    labels[:, :-1] = rollout.tokens[:, 1:]
     return {
         "tokens": rollout.tokens,
-        "labels": labels,
-        "mask": shifted(rollout.tokens, rollout.loss_mask),
-        "sampling_logprob": shifted(rollout.tokens, rollout.sampling_logprobs),
+        "labels": shifted(rollout.tokens),
+        "mask": shifted(rollout.loss_mask),
+        "sampling_logprob": shifted(rollout.sampling_logprobs),
     }
 
 
@@ -244,10 +242,10 @@ class Trainer:
 
         Only the last pipeline stage uses them.
         """
-        _, dp_rank, _ = self._dp()
+        dp, dp_rank, _ = self._dp()
         adv = compute_advantages(all_rewards, self.cfg.num_samples, self.cfg.advantage_norm,
                                  self.cfg.advantage_eps)
-        n_local = all_rewards.numel() // self._dp()[0]
+        n_local = all_rewards.numel() // dp
         return adv[dp_rank * n_local:(dp_rank + 1) * n_local]
 
     def no_grad_passes(self, batch: dict) -> dict:

@@ -4,7 +4,8 @@ import math
 
 import torch
 
-from emapg_megatron.train import model_config, parse_for_tests
+from emapg_megatron.arguments import parse_args
+from emapg_megatron.train import model_config
 
 
 def save_initial_weights(ckpt_dir: str, argv: list, poison: bool = False):
@@ -17,7 +18,7 @@ def save_initial_weights(ckpt_dir: str, argv: list, poison: bool = False):
 
     from emapg_megatron.models.gpt import build_for_this_rank
 
-    cfg = model_config(parse_for_tests(argv))
+    cfg = model_config(parse_args(argv))
     gpt = build_for_this_rank(cfg)
     if poison:
         with torch.no_grad():

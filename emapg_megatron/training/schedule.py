@@ -9,7 +9,6 @@ function of ``(logits_shard, micro_batch)`` evaluated on the last pipeline stage
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Callable
 
 import torch
@@ -69,11 +68,7 @@ def forward_backward(model_chunks, microbatches: list[dict],
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
         logits = model(mb["tokens"], positions_for(mb["tokens"]), None)
-        return logits, partial(loss_func, mb)
-
-    def loss_func(mb, logits):
-        value, metrics = loss(logits, mb)
-        return value, metrics
+        return logits, lambda output: loss(output, mb)
 
     return _run(model_chunks, microbatches, forward_step, forward_only=False,
                 collect_non_loss_data=False)

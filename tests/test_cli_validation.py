@@ -32,6 +32,10 @@ def run_cli(*argv, env_world=None):
     (["--kl-iw-clip", "2", "1"], 2, "--kl-iw-clip needs 0 <= MIN <= MAX"),
     (["--task", "math"], 2, "needs --load-hf"),
     (["--task", "math", "--load-hf", "/tmp"], 2, "needs --data-path"),
+    (["--vllm-tensor-parallel-size", "2", "--tensor-model-parallel-size", "1"], 1,
+     "--vllm-tensor-parallel-size 2 must divide --tensor-model-parallel-size 1"),
+    (["--vllm-gpu-memory-utilization", "0"], 2, "--vllm-gpu-memory-utilization must be in (0, 1]"),
+    (["--vllm-weight-sync-bucket-mb", "0"], 2, "--vllm-weight-sync-bucket-mb must be > 0"),
 ])
 def test_bad_input_is_one_clear_line(argv, world, message):
     r = run_cli(*argv, env_world=world)

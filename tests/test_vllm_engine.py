@@ -235,3 +235,34 @@ def test_vllm_round_trip_on_gpu(tmp_path):
     assert res["mismatch"]["logprob_abs_diff_mean"] < 0.05
     assert 0.8 < res["mismatch"]["importance_ratio_min"] <= res["mismatch"]["importance_ratio_max"] < 1.25
     assert res["freed_bytes"] > 1 << 30  # sleeping released the KV cache (>= 1 GiB)
+
+
+# --- wiring in train.py ------------------------------------------------------------------
+def test_trainer_builds_the_vllm_engine_with_its_layout(monkeypatch, tmp_path):
+    """--rollout-engine vllm: the engine learns the trainer's TP and PP (so a model-parallel
+    group shares one batch), gets the model chunks, and is synced before the first step."""
+    from emapg_megatron import train
+    from emapg_megatron.arguments import parse_args
+    from emapg_megatron.rollout import vllm_engine
+
+    made = []
+
+    class Recorder:
+        def __init__(self, cfg, model_cfg, **kwargs):
+            made.append(self)
+            self.cfg, self.kwargs, self.synced = cfg, kwargs, 0
+
+        def update_weights(self, model_chunks=None):
+            self.synced += 1
+
+    monkeypatch.setattr(vllm_engine, "VLLMEngine", Recorder)
+    args = parse_args(["--preset", "tiny-cpu", "--rollout-engine", "vllm", "--load-hf", str(tmp_path),
+                       "--tensor-model-parallel-size", "4", "--pipeline-model-parallel-size", "2",
+                       "--vllm-tensor-parallel-size", "2", "--vllm-weight-sync-bucket-mb", "64"])
+    chunks = ["chunk"]
+    engine = train.build_rollout_engine(args, chunks, ModelConfig(), tokenizer=None)
+    assert made == [engine] and engine.synced == 1
+    assert engine.kwargs["model_chunks"] is chunks
+    assert engine.kwargs["trainer_tp"] == 4 and engine.kwargs["pipeline_parallel"] == 2
+    assert engine.cfg.tensor_parallel_size == 2 and engine.cfg.bucket_bytes == 64 << 20
+    assert engine.cfg.hf_dir == str(tmp_path) and engine.cfg.seed == args.seed

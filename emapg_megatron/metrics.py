@@ -60,6 +60,8 @@ class MetricsLogger:
         parts += [f"{k} {record[k]:.4f}" for k in PROGRESS_KEYS if k in record]
         if "tokens_per_s" in record:
             parts.append(f"tok/s {record['tokens_per_s']:.0f}")
+        if "weight_sync_s" in record:
+            parts.append(f"sync {record['weight_sync_s']:.2f}s")
         if record.get("skipped"):
             parts.append("SKIPPED (non-finite)")
         parts.append(f"elapsed {format_eta(elapsed)} eta {format_eta(eta)}")
@@ -80,14 +82,17 @@ def read_jsonl(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def plot_curves(jsonl_path: str, png_path: str, keys=PLOT_KEYS) -> str:
+def plot_curves(jsonl_path: str, png_path: str, keys=PLOT_KEYS) -> str | None:
+    """``png_path``, or None when nothing was logged yet (a run stopped before its first step)."""
+    records = read_jsonl(jsonl_path)
+    keys = [k for k in keys if any(k in r for r in records)]
+    if not keys:
+        return None
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    records = read_jsonl(jsonl_path)
-    keys = [k for k in keys if any(k in r for r in records)]
     fig, axes = plt.subplots(1, len(keys), figsize=(3.2 * len(keys), 2.8), squeeze=False)
     for ax, key in zip(axes[0], keys):
         pts = [(r["step"], r[key]) for r in records if key in r]

@@ -286,6 +286,7 @@ class Trainer:
     def step(self, iteration: int) -> dict:
         t0 = time.monotonic()
         rollout, rows, texts = self.rollout(iteration)
+        t_rollout = time.monotonic()
         rewards = self.score(texts, rows)
         batch = self.no_grad_passes(training_batch(rollout))
         all_rewards = self.gather_over_dp(rewards)
@@ -298,7 +299,8 @@ class Trainer:
         self.anchor.step(iteration)
         stability = self.stability(iteration, batch)
         self.sampler.update_weights(self.model_chunks)
-        return {**self.step_metrics(stats, rollout, all_rewards, t0, t_passes), **mismatch, **stability}
+        return {**self.step_metrics(stats, rollout, all_rewards, t0, t_rollout, t_passes),
+                **mismatch, **stability, **self.sampler.metrics()}
 
     def stability(self, iteration: int, batch: dict) -> dict:
         """Paper eq. 28: margin 1 + eta - lr * beta * tr(F) from per-sequence gradient norms."""
@@ -348,7 +350,8 @@ class Trainer:
         self.skipped_steps += int(skipped > 0)
         return {**totals, "skipped": float(skipped > 0)}
 
-    def step_metrics(self, stats: dict, rollout, rewards, t0: float, t_passes: float) -> dict:
+    def step_metrics(self, stats: dict, rollout, rewards, t0: float, t_rollout: float,
+                     t_passes: float) -> dict:
         contributes = self._is_last_stage() and _tp_rank() == 0
         local = {k: (stats[k] if contributes else 0.0) for k in LOSS_KEYS}
         local["gen_tokens"] = float(rollout.loss_mask.sum()) if contributes else 0.0
@@ -365,6 +368,8 @@ class Trainer:
             "ema_lag": self.anchor.lag(),
             "response_len": g["gen_tokens"] / rewards.numel(),
             "tokens_per_s": g["gen_tokens"] / elapsed,
+            "rollout_time_s": t_rollout - t0,
+            "rollout_tokens_per_s": g["gen_tokens"] / max(t_rollout - t0, 1e-9),
             "step_time_s": elapsed,
             "update_time_s": time.monotonic() - t_passes,
             "lr": self.optimizer.param_groups[0]["lr"],

@@ -66,6 +66,8 @@ def test_anchor_starts_at_the_policy_and_rollout_logprobs_match(init_ckpt, refer
     expected = 1 + 0.5 - first["lr"] * 0.001 * first["ema/fisher_trace"]
     assert first["ema/stability_margin"] == pytest.approx(expected, rel=1e-9)
     assert first["rollout_logprob_diff"] < 1e-5  # sampler and trainer agree (padding excluded)
+    assert 0 < first["rollout_time_s"] < first["step_time_s"]
+    assert first["rollout_tokens_per_s"] > first["tokens_per_s"] > 0
     assert reference[-1]["kl"] > 1e-5  # later the policy moves away from the anchor
 
 

@@ -266,3 +266,4 @@ def test_trainer_builds_the_vllm_engine_with_its_layout(monkeypatch, tmp_path):
     assert engine.kwargs["trainer_tp"] == 4 and engine.kwargs["pipeline_parallel"] == 2
     assert engine.cfg.tensor_parallel_size == 2 and engine.cfg.bucket_bytes == 64 << 20
     assert engine.cfg.hf_dir == str(tmp_path) and engine.cfg.seed == args.seed
+

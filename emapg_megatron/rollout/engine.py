@@ -40,6 +40,9 @@ class RolloutEngine(Protocol):
     def update_weights(self, model_chunks) -> None:
         """Make the engine sample from the trainer's current weights."""
 
+    def metrics(self) -> dict:
+        """Per-step engine metrics for the log, e.g. the last weight sync's ``weight_sync_s``."""
+
 
 def build_rollout_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
                         logprobs: Sequence[Sequence[float]], seq_length: int, pad_id: int,

@@ -63,6 +63,9 @@ class MegatronSampler:
     def update_weights(self, model_chunks) -> None:
         self.model_chunks = model_chunks  # same live model: nothing to copy
 
+    def metrics(self) -> dict:
+        return {}
+
     def _next_token_logits(self, tokens: torch.Tensor, lengths: torch.Tensor):
         """Full-vocabulary logits at each sequence's last position (last PP stage only)."""
         from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region

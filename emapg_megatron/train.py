@@ -160,12 +160,11 @@ def build_rollout_engine(args, chunks, model_cfg, tokenizer):
                          gpu_memory_utilization=args.vllm_gpu_memory_utilization,
                          sleep_level=args.vllm_sleep_level, enforce_eager=args.vllm_enforce_eager,
                          bucket_bytes=args.vllm_weight_sync_bucket_mb << 20, seed=args.seed)
-        # The trainer's layout decides whether a model-parallel group must share one batch.
-        engine = VLLMEngine(cfg, model_cfg, seq_length=args.seq_length, pad_id=pad_id,
-                            model_chunks=chunks, trainer_tp=args.tensor_model_parallel_size,
-                            pipeline_parallel=args.pipeline_model_parallel_size)
-        engine.update_weights()
-        return engine
+        # The trainer's layout decides whether a model-parallel group must share one batch. No
+        # sync here: the first generate syncs, after --load / --pretrained-checkpoint have run.
+        return VLLMEngine(cfg, model_cfg, seq_length=args.seq_length, pad_id=pad_id,
+                          model_chunks=chunks, trainer_tp=args.tensor_model_parallel_size,
+                          pipeline_parallel=args.pipeline_model_parallel_size)
     from emapg_megatron.rollout.megatron_sampler import MegatronSampler
 
     return MegatronSampler(chunks, vocab_size=model_cfg.vocab_size,

@@ -4,12 +4,13 @@ vLLM needs CUDA, so :class:`~emapg_megatron.rollout.vllm_engine.VLLMEngine` (sle
 sync / sampling-parameter plumbing / batch layout) and the evaluation backend are exercised here
 against :class:`FakeLLM` and :class:`SamplingParams` below, installed as ``sys.modules["vllm"]``.
 
-The double mirrors the vLLM API the engine uses (checked against vLLM 0.18 - 0.33):
+The double mirrors the vLLM API the engine uses (the names tools/check_vllm_api.py finds in the
+vLLM 0.18 and 0.33 sources):
 
 * ``SamplingParams`` has a strict keyword signature, so a misspelt argument fails;
 * ``LLM`` records its constructor kwargs; ``sleep`` / ``wake_up(tags)`` follow the executor's
   bookkeeping (a sleep while anything is still asleep and a wake-up of a tag that is not asleep
-  are no-ops with a warning, as in vLLM); level 2 drops the weights' contents; ``sleep`` resets
+  are no-ops with a warning in vLLM; here the warning is an error); level 2 drops the weights' contents; ``sleep`` resets
   the prefix cache itself (as ``LLM.sleep`` does);
 * ``collective_rpc(callable, args=...)`` calls ``callable(worker, *args)`` and returns a list;
   ``worker.model_runner.get_model().load_weights(weights=...)`` loads ``(name, tensor)`` pairs;
@@ -20,8 +21,9 @@ The double mirrors the vLLM API the engine uses (checked against vLLM 0.18 - 0.3
   vLLM's parallel sampling does); a sample's tokens are a deterministic function of the loaded
   weights, the prompt ids and that seed. Each sampled token's log-prob is :func:`fake_logprob`.
 
-The engine's weight export (``weight_sync.sync_weights``) is stubbed with :func:`fake_sync_weights`
-except in one test that streams a real tiny Megatron model (world size 1) into the fake worker.
+The engine's weight export (``weight_sync.sync_weights``) is stubbed by the ``fake_sync`` fixture,
+except in the last test: a real tiny Megatron model at TP=2 (two spawned ranks) streams through the
+real export into the fake worker, and the engine broadcasts rank 0's batch over the TP group.
 """
 
 from __future__ import annotations
@@ -42,6 +44,9 @@ from emapg_megatron.rollout.vllm_engine import (VLLMConfig, VLLMEngine, VLLMGene
                                                 load_generation_backend, request_seed)
 from emapg_megatron.rollout.weight_sync import SyncStats
 from emapg_megatron.runtime import ConfigError
+
+# A call that vLLM would ignore (sleep while partly asleep: the memory would stay allocated) fails.
+pytestmark = pytest.mark.filterwarnings("error:fake vLLM")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CORPUS = os.path.join(ROOT, "data", "samples", "corpus.jsonl")
@@ -504,10 +509,10 @@ def test_awake_is_reentrant(fake_vllm, fake_sync, tmp_path):
     assert events_after(llm, mark) == ["wake_up(kv_cache)", "generate", "generate", "sleep(1)"]
 
 
-def test_engine_sleeps_again_when_generation_fails(fake_vllm, fake_sync, tmp_path):
+def test_missing_logprobs_raise_and_the_engine_sleeps_again(fake_vllm, fake_sync, tmp_path):
     engine = make_engine(tmp_path, sleep_level=1)
     engine.llm.drop_logprobs = True
-    with pytest.raises(RuntimeError, match=r"logprobs=0"):  # item 6: no log-probs from vLLM
+    with pytest.raises(RuntimeError, match=r"logprobs=0"):  # CompletionOutput.logprobs is None
         engine.generate(PROMPTS, 2, 1.0, 1.0, 8)
     assert engine.llm.events[-2:] == ["generate", "sleep(1)"]
     assert engine.llm.sleeping_tags == {"weights", "kv_cache"}
@@ -735,44 +740,58 @@ def test_load_generation_backend_needs_config_json(fake_vllm, tmp_path):
 
 
 # ============================================================================================
-# the real export stream (tiny Megatron model, world size 1) into the fake worker
+# the real export stream (tiny Megatron model at TP=2) into the fake worker; the engine's batch
+# broadcast over the model-parallel group (vLLM TP 1 < trainer TP 2)
 # ============================================================================================
-def _megatron_sync_worker(hf: str) -> dict:
+def _megatron_engine_worker(hf: str) -> dict:
     """Runs in a spawned rank: the fake vLLM, a real tiny Megatron model, the real sync_weights."""
+    import torch.distributed as dist
+
     sys.modules["vllm"] = make_fake_vllm()
     from vllm_engine_workers import TINY
 
     from emapg_megatron.checkpoint.weights import export_hf_weights
     from emapg_megatron.models.gpt import ModelConfig, build_for_this_rank
 
+    rank = dist.get_rank()
     cfg = ModelConfig(**TINY)
     model = build_for_this_rank(cfg)
     engine = VLLMEngine(VLLMConfig(hf, sleep_level=2, bucket_bytes=20_000), cfg, seq_length=32,
-                        pad_id=0, model_chunks=[model], trainer_tp=1)
-    batch = engine.generate([[1, 2, 3]], 2, 1.0, 1.0, 6)
+                        pad_id=0, model_chunks=[model], trainer_tp=2)
+    # Each rank's vLLM samples its own prompts; only the broadcast makes the TP group agree.
+    batch = engine.generate([[1 + rank, 2, 3]], 2, 1.0, 1.0, 6)
     llm = engine.llm
+    own = [c.token_ids for c in sorted(llm.generate_calls[-1]["outputs"][0].outputs,
+                                       key=lambda c: c.index)]
     direct = list(export_hf_weights([model], cfg, bucket_bytes=20_000))
     return {"loads": [ld["names"] for ld in llm.model.loads],
             "load_states": [[ld["weights_awake"], ld["kv_awake"]] for ld in llm.model.loads],
             "received": llm.model.received, "direct": direct, "events": llm.events,
             "stats": [engine.last_sync.buckets, engine.last_sync.tensors, engine.last_sync.bytes],
-            "rows": batch.tokens.shape[0]}
+            "needs_broadcast": engine.needs_broadcast, "own": own, "responses": batch.responses,
+            "batch": [batch.tokens, batch.loss_mask, batch.sampling_logprobs, batch.prompt_lengths]}
 
 
 @pytest.mark.slow
-def test_real_megatron_export_reaches_load_weights(tmp_path):
+def test_real_megatron_export_reaches_load_weights_and_tp_group_agrees(tmp_path):
     from emapg_megatron.multiprocess import run_distributed
 
-    res = run_distributed(_megatron_sync_worker, world_size=1, args=(hf_dir(tmp_path),), timeout=120)[0]
-    direct = res["direct"]
-    assert res["events"][:2] == ["sleep(2)", "wake_up(weights)"]
-    assert res["events"][-3:] == ["wake_up(kv_cache)", "generate", "sleep(2)"]
-    assert res["events"][2:-3] == ["load_weights"] * len(res["loads"]) + ["reset_prefix_cache"]
-    assert len(res["loads"]) > 1 and res["stats"][0] == len(res["loads"])
-    assert all(state == [True, False] for state in res["load_states"])
-    # every exported HF tensor arrived once, in export order, unchanged
-    assert [name for names in res["loads"] for name in names] == [name for name, _ in direct]
-    assert [name for name, _ in res["received"]] == [name for name, _ in direct]
-    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(res["received"], direct))
-    assert res["stats"][1:] == [len(direct), sum(t.numel() * t.element_size() for _, t in direct)]
-    assert res["rows"] == 2
+    results = run_distributed(_megatron_engine_worker, world_size=2, tp=2,
+                              args=(hf_dir(tmp_path),), timeout=180)
+    for res in results:
+        direct = res["direct"]  # full (TP-gathered) HF tensors
+        assert res["events"][:2] == ["sleep(2)", "wake_up(weights)"]
+        assert res["events"][-3:] == ["wake_up(kv_cache)", "generate", "sleep(2)"]
+        assert res["events"][2:-3] == ["load_weights"] * len(res["loads"]) + ["reset_prefix_cache"]
+        assert len(res["loads"]) > 1 and res["stats"][0] == len(res["loads"])
+        assert all(state == [True, False] for state in res["load_states"])
+        # every exported HF tensor reached load_weights once, in export order, unchanged
+        assert [name for names in res["loads"] for name in names] == [name for name, _ in direct]
+        assert [name for name, _ in res["received"]] == [name for name, _ in direct]
+        assert all(torch.equal(a, b) for (_, a), (_, b) in zip(res["received"], direct))
+        assert res["stats"][1:] == [len(direct), sum(t.numel() * t.element_size() for _, t in direct)]
+        assert res["needs_broadcast"]
+        # both ranks train on rank 0's samples
+        assert res["responses"] == results[0]["own"]
+        assert all(torch.equal(a, b) for a, b in zip(res["batch"], results[0]["batch"]))
+    assert results[0]["own"] != results[1]["own"]  # without the broadcast they would differ

@@ -22,8 +22,9 @@ vLLM 0.18 and 0.33 sources):
   weights, the prompt ids and that seed. Each sampled token's log-prob is :func:`fake_logprob`.
 
 The engine's weight export (``weight_sync.sync_weights``) is stubbed by the ``fake_sync`` fixture,
-except in the last test: a real tiny Megatron model at TP=2 (two spawned ranks) streams through the
-real export into the fake worker, and the engine broadcasts rank 0's batch over the TP group.
+except in the last test: a real tiny Megatron model at TP=2 or PP=2 (two spawned ranks) streams
+through the real export into the fake worker, and the engine broadcasts rank 0's batch over the
+model-parallel group.
 """
 
 from __future__ import annotations
@@ -740,10 +741,10 @@ def test_load_generation_backend_needs_config_json(fake_vllm, tmp_path):
 
 
 # ============================================================================================
-# the real export stream (tiny Megatron model at TP=2) into the fake worker; the engine's batch
-# broadcast over the model-parallel group (vLLM TP 1 < trainer TP 2)
+# the real export stream (tiny Megatron model at TP=2 or PP=2) into the fake worker; the engine's
+# batch broadcast over the model-parallel group (vLLM TP 1 < trainer TP 2, or PP 2)
 # ============================================================================================
-def _megatron_engine_worker(hf: str) -> dict:
+def _megatron_engine_worker(hf: str, tp: int, pp: int) -> dict:
     """Runs in a spawned rank: the fake vLLM, a real tiny Megatron model, the real sync_weights."""
     import torch.distributed as dist
 
@@ -757,8 +758,8 @@ def _megatron_engine_worker(hf: str) -> dict:
     cfg = ModelConfig(**TINY)
     model = build_for_this_rank(cfg)
     engine = VLLMEngine(VLLMConfig(hf, sleep_level=2, bucket_bytes=20_000), cfg, seq_length=32,
-                        pad_id=0, model_chunks=[model], trainer_tp=2)
-    # Each rank's vLLM samples its own prompts; only the broadcast makes the TP group agree.
+                        pad_id=0, model_chunks=[model], trainer_tp=tp, pipeline_parallel=pp)
+    # Each rank's vLLM samples its own prompts; only the broadcast makes the group agree.
     batch = engine.generate([[1 + rank, 2, 3]], 2, 1.0, 1.0, 6)
     llm = engine.llm
     own = [c.token_ids for c in sorted(llm.generate_calls[-1]["outputs"][0].outputs,
@@ -773,11 +774,12 @@ def _megatron_engine_worker(hf: str) -> dict:
 
 
 @pytest.mark.slow
-def test_real_megatron_export_reaches_load_weights_and_tp_group_agrees(tmp_path):
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+def test_real_megatron_export_reaches_load_weights_and_model_parallel_group_agrees(tmp_path, tp, pp):
     from emapg_megatron.multiprocess import run_distributed
 
-    results = run_distributed(_megatron_engine_worker, world_size=2, tp=2,
-                              args=(hf_dir(tmp_path),), timeout=180)
+    results = run_distributed(_megatron_engine_worker, world_size=2, tp=tp, pp=pp,
+                              args=(hf_dir(tmp_path), tp, pp), timeout=180)
     for res in results:
         direct = res["direct"]  # full (TP-gathered) HF tensors
         assert res["events"][:2] == ["sleep(2)", "wake_up(weights)"]

@@ -214,7 +214,7 @@ class Trainer:
             envs = [self.task.make_env(r, self.tokenizer) for r in seq_rows]
             batch, episodes = self.sampler.generate_episodes(prompts, n, envs,
                                                              tokenizer=self.tokenizer, **common)
-            return batch, seq_rows, [ep.env.response_text for ep in episodes]
+            return batch, seq_rows, [ep.response_text for ep in episodes]
         batch = self.sampler.generate(prompts, n, **common)
         return batch, seq_rows, [self.tokenizer.decode(r) for r in batch.responses]
 

@@ -66,6 +66,8 @@ def test_config_validation(tmp_path):
         VLLMConfig(hf_dir=str(tmp_path), tensor_parallel_size=4).validate(trainer_tp=2)
     with pytest.raises(ConfigError, match="sleep level"):
         VLLMConfig(hf_dir=str(tmp_path), sleep_level=3).validate()
+    with pytest.raises(ConfigError, match=r"\['quantization'\] are not supported by the weight sync"):
+        VLLMConfig(hf_dir=str(tmp_path), llm_kwargs={"quantization": "fp8"}).validate()
     kwargs = VLLMConfig(hf_dir=str(tmp_path)).llm_kwargs_for(4096)
     assert kwargs["logprobs_mode"] == "processed_logprobs"
     assert kwargs["distributed_executor_backend"] == "external_launcher"

@@ -797,3 +797,60 @@ def test_real_megatron_export_reaches_load_weights_and_model_parallel_group_agre
         assert res["responses"] == results[0]["own"]
         assert all(torch.equal(a, b) for a, b in zip(res["batch"], results[0]["batch"]))
     assert results[0]["own"] != results[1]["own"]  # without the broadcast they would differ
+
+
+def _episodes_worker(hf: str) -> dict:
+    """TP=2 trainer, vLLM TP 1: each rank's vLLM answers differently; the group must agree."""
+    import torch.distributed as dist
+
+    sys.modules["vllm"] = make_fake_vllm()
+    from vllm_engine_workers import TINY
+
+    from emapg_megatron.models.gpt import ModelConfig, build_for_this_rank
+    from emapg_megatron.tasks.retriever import BM25Retriever
+    from emapg_megatron.tasks.search import SearchConfig, SearchEnv
+
+    rank = dist.get_rank()
+    cfg = ModelConfig(**TINY)
+    engine = VLLMEngine(VLLMConfig(hf, sleep_level=1), cfg, seq_length=400, pad_id=PAD,
+                        model_chunks=[build_for_this_rank(cfg)], trainer_tp=2)
+    answer = ANSWER if rank == 0 else "<answer> someone else </answer>"
+    engine.llm.script = lambda ids: (answer if "<information>" in "".join(map(chr, ids)) else SEARCH)
+    tok = CharTokenizer()
+    retriever = BM25Retriever(CORPUS)
+    envs = [SearchEnv(retriever, SearchConfig(max_turns=3, max_obs_tokens=200, topk=1), tokenizer=tok)
+            for _ in range(2)]
+    batch, episodes = engine.generate_episodes(
+        [tok.encode("Q: who built it?\n")], 2, envs, tokenizer=tok, temperature=1.0, top_p=1.0,
+        max_new_tokens=40, stop=["</search>", "</answer>"])
+    return {"texts": [ep.response_text for ep in episodes],
+            "own": [ep.env.response_text for ep in episodes], "tokens": batch.tokens}
+
+
+@pytest.mark.slow
+def test_multi_turn_rewards_score_the_broadcast_episodes(tmp_path):
+    """With the batch broadcast, the texts the rewards score come from the same rank as the
+    tokens trained on (otherwise rank 1 would score its own, different answers)."""
+    pytest.importorskip("bm25s")
+    from emapg_megatron.multiprocess import run_distributed
+
+    r0, r1 = run_distributed(_episodes_worker, world_size=2, tp=2, args=(hf_dir(tmp_path),),
+                             timeout=180)
+    assert all("Gustave Eiffel" in t for t in r0["texts"])
+    assert r1["texts"] == r0["texts"] and torch.equal(r1["tokens"], r0["tokens"])
+    assert all("someone else" in t for t in r1["own"])  # what rank 1's vLLM itself produced
+
+
+def test_rank_env_for_external_launcher_without_torchrun(fake_vllm, monkeypatch, tmp_path):
+    """vLLM's external launcher reads RANK / LOCAL_RANK; a plain `python` launch lacks them."""
+    import torch.distributed as dist
+
+    for name in ("RANK", "LOCAL_RANK"):
+        monkeypatch.setenv(name, "unset-me")
+        monkeypatch.delenv(name)  # the engine's setdefault is undone after the test
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        make_engine(tmp_path)
+        assert (os.environ["RANK"], os.environ["LOCAL_RANK"]) == ("0", "0")
+    finally:
+        dist.destroy_process_group()

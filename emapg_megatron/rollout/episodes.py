@@ -48,6 +48,13 @@ class Episode:
         self.logprobs: list[float] = []
         self.unaligned_tokens = 0
         self.truncated = False
+        self.agreed_text: str | None = None  # set by an engine that broadcasts another rank's batch
+
+    @property
+    def response_text(self) -> str:
+        """What the reward scores: the environment's text, or, when the engine replaced this
+        episode's tokens by its model-parallel group's source rank's, that rank's text."""
+        return self.env.response_text if self.agreed_text is None else self.agreed_text
 
     def room(self) -> int:
         return self.max_len - len(self.prompt_ids) - len(self.ids)

@@ -34,6 +34,7 @@ one-line :class:`~emapg_megatron.runtime.ConfigError`.
 from __future__ import annotations
 
 import contextlib
+import gc
 import hashlib
 import logging
 import os
@@ -98,6 +99,11 @@ class VLLMConfig:
                               f"(got {self.gpu_memory_utilization})")
         if self.bucket_bytes <= 0:
             raise ConfigError(f"weight-sync bucket size must be > 0 (got {self.bucket_bytes})")
+        refused = sorted({"quantization", "kv_cache_dtype"} & set(self.llm_kwargs))
+        if refused:
+            # The sync loads the trainer's BF16 tensors as they are: quantized vLLM weights would
+            # need re-quantizing after every load.
+            raise ConfigError(f"vLLM llm_kwargs {refused} are not supported by the weight sync")
         if trainer_tp is not None and trainer_tp % self.tensor_parallel_size != 0:
             # A vLLM TP group must not straddle two data-parallel ranks (different prompts).
             raise ConfigError(f"vLLM tensor parallel size {self.tensor_parallel_size} must divide "
@@ -176,9 +182,11 @@ def _load_weights_on_worker(worker, weights) -> None:
 class VLLMEngine:
     """:class:`~emapg_megatron.rollout.engine.RolloutEngine` on a colocated vLLM.
 
-    Construct it on every rank at the same time (a collective). Preferably construct it before
-    the trainer allocates its model and optimizer: vLLM sizes its KV cache from
-    ``gpu_memory_utilization`` of the whole GPU and refuses to start if that much is not free.
+    Construct it on every rank at the same time (a collective). vLLM refuses to start unless
+    ``gpu_memory_utilization`` of the whole GPU is free, and sizes its KV cache to fill that share.
+    The trainer builds it after the model, optimizer and EMA anchor, so the start-up check sees
+    them; Adam's state is only created at the first optimizer step, so leave room for it
+    (about 8 bytes per locally held parameter element, less with the distributed optimizer).
     """
 
     def __init__(self, cfg: VLLMConfig, model_cfg, *, seq_length: int, pad_id: int,
@@ -187,6 +195,10 @@ class VLLMEngine:
         cfg.validate(trainer_tp)
         # The worker (and its model) must live in this process for load_weights.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        if dist.is_initialized():  # external_launcher reads these; torchrun sets them, python does not
+            os.environ.setdefault("RANK", str(dist.get_rank()))
+            os.environ.setdefault("LOCAL_RANK", str(torch.cuda.current_device()
+                                                    if torch.cuda.is_available() else 0))
         self.cfg = cfg
         self.model_cfg = model_cfg
         self.seq_length = seq_length
@@ -213,6 +225,11 @@ class VLLMEngine:
             self._weights_valid = False  # level 2 drops the weights: resync before generating
 
     def _wake(self, tag: str) -> None:
+        # vLLM maps fresh physical memory on wake: give back what torch's allocator caches
+        # from training first (activations, logits), or the wake can run out of memory.
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            gc.collect()
+            torch.cuda.empty_cache()
         self.llm.wake_up(tags=[tag])
         if tag == "weights":
             self._weights_awake = True
@@ -280,13 +297,21 @@ class VLLMEngine:
         with self.awake():
             return self.llm.generate(inputs, params, use_tqdm=False)
 
-    def _agree(self, batch: RolloutBatch) -> RolloutBatch:
+    def _agree(self, batch: RolloutBatch, episodes: list[Episode] | None = None) -> RolloutBatch:
+        """Every rank of the model-parallel group takes its first rank's batch (and episode
+        texts, which the rewards score) when the vLLM and trainer layouts differ."""
         if not self.needs_broadcast:
             return batch
         from megatron.core import parallel_state as ps
 
         group = ps.get_model_parallel_group()
-        return broadcast_rollout_batch(batch, src=dist.get_process_group_ranks(group)[0], group=group)
+        src = dist.get_process_group_ranks(group)[0]
+        if episodes is not None:
+            texts = [[ep.response_text for ep in episodes]]
+            dist.broadcast_object_list(texts, src=src, group=group)
+            for ep, text in zip(episodes, texts[0]):
+                ep.agreed_text = text
+        return broadcast_rollout_batch(batch, src=src, group=group)
 
     def generate(self, prompts: Sequence[Sequence[int]], n: int, temperature: float, top_p: float,
                  max_new_tokens: int, *, stop: Sequence[str] | None = None, rng_step: int = 0,
@@ -348,7 +373,7 @@ class VLLMEngine:
             batch, episodes = run_episodes(continue_fn, prompts, n, envs, tokenizer=tokenizer,
                                            top_p=top_p, max_new_tokens=max_new_tokens,
                                            seq_length=self.seq_length, pad_id=self.pad_id)
-        return self._agree(batch), episodes
+        return self._agree(batch, episodes), episodes
 
 
 # --- evaluation backend (python -m emapg_megatron.evaluate --load HF_DIR) ---------------------

@@ -144,8 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
       help="vLLM's TP degree (default: the trainer's)")
     a("--vllm-gpu-memory-utilization", type=float, default=0.5,
       help="fraction of GPU memory vLLM may use while awake")
-    a("--vllm-sleep-level", type=int, default=1, choices=(0, 1, 2),
-      help="vLLM sleep mode during training: 0 never sleeps, 1 offloads weights and frees KV cache")
+    a("--vllm-sleep-level", type=int, default=2, choices=(0, 1, 2),
+      help="vLLM sleep mode during training: 0 never sleeps; 1 copies its weights to CPU and frees "
+           "the KV cache; 2 frees both (the default: every step overwrites the weights anyway)")
     a("--vllm-weight-sync-bucket-mb", type=int, default=512, help="weight-sync bucket size (MiB)")
     a("--vllm-enforce-eager", action="store_true", help="skip CUDA-graph capture in vLLM")
 

@@ -80,7 +80,9 @@ class VLLMConfig:
     tensor_parallel_size: int = 1
     gpu_memory_utilization: float = 0.5  # of the whole GPU, weights + KV cache, while awake
     dtype: str = "bfloat16"
-    sleep_level: int = 1  # 0: never sleep (vLLM keeps its memory during training)
+    # 0: never sleep (vLLM keeps its memory during training). 2 (default) drops the weights too:
+    # each step's sync overwrites them anyway, so level 1's copy to CPU and back buys nothing.
+    sleep_level: int = 2
     enforce_eager: bool = False  # True skips CUDA-graph capture (faster start, slower decode)
     enable_prefix_caching: bool = True  # the n samples of a prompt share its prefill
     bucket_bytes: int = DEFAULT_BUCKET_BYTES

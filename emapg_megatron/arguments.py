@@ -274,15 +274,7 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
 
 
 def _validate_vllm(args) -> None:
-    vtp = args.vllm_tensor_parallel_size
-    # A vLLM TP group must sit inside one trainer TP group (the same prompts).
-    _check(vtp is None or (vtp >= 1 and args.tensor_model_parallel_size % vtp == 0),
-           f"--vllm-tensor-parallel-size {vtp} must divide --tensor-model-parallel-size "
-           f"{args.tensor_model_parallel_size}")
-    _check(0.0 < args.vllm_gpu_memory_utilization <= 1.0,
-           f"--vllm-gpu-memory-utilization must be in (0, 1] (got {args.vllm_gpu_memory_utilization})")
-    _check(args.vllm_weight_sync_bucket_mb > 0,
-           f"--vllm-weight-sync-bucket-mb must be > 0 (got {args.vllm_weight_sync_bucket_mb})")
+    vllm_config(args).check_settings(trainer_tp=args.tensor_model_parallel_size)
 
 
 def _validate_batches(args, world_size: int) -> None:
@@ -319,6 +311,17 @@ def parallel_config(args):
         seed=args.seed,
         timeout_minutes=args.distributed_timeout_minutes,
     )
+
+
+def vllm_config(args):
+    from emapg_megatron.rollout.vllm_engine import VLLMConfig
+
+    return VLLMConfig(hf_dir=args.load_hf or "",
+                      tensor_parallel_size=(args.vllm_tensor_parallel_size
+                                            or args.tensor_model_parallel_size),
+                      gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                      sleep_level=args.vllm_sleep_level, enforce_eager=args.vllm_enforce_eager,
+                      bucket_bytes=args.vllm_weight_sync_bucket_mb << 20, seed=args.seed)
 
 
 def topk_k(args) -> int:

@@ -153,13 +153,9 @@ def build_run(args, tokenizer, task, model_cfg):
 def build_rollout_engine(args, chunks, model_cfg, tokenizer):
     pad_id = getattr(tokenizer, "pad_token_id", None) or 0
     if args.rollout_engine == "vllm":
-        from emapg_megatron.rollout.vllm_engine import VLLMConfig, VLLMEngine
+        from emapg_megatron.rollout.vllm_engine import VLLMEngine
 
-        cfg = VLLMConfig(hf_dir=args.load_hf,
-                         tensor_parallel_size=args.vllm_tensor_parallel_size or args.tensor_model_parallel_size,
-                         gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-                         sleep_level=args.vllm_sleep_level, enforce_eager=args.vllm_enforce_eager,
-                         bucket_bytes=args.vllm_weight_sync_bucket_mb << 20, seed=args.seed)
+        cfg = arguments.vllm_config(args)
         # The trainer's layout decides whether a model-parallel group must share one batch. No
         # sync here: the first generate syncs, after --load / --pretrained-checkpoint have run.
         return VLLMEngine(cfg, model_cfg, seq_length=args.seq_length, pad_id=pad_id,

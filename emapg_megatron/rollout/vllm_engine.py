@@ -94,22 +94,28 @@ class VLLMConfig:
         if not os.path.isfile(os.path.join(self.hf_dir, "config.json")):
             raise ConfigError(f"vLLM needs a Hugging Face model directory with config.json and the "
                               f"tokenizer: {self.hf_dir}")
+        self.check_settings(trainer_tp)
+
+    def check_settings(self, trainer_tp: int | None = None) -> None:
+        """Everything but the model directory; the CLI runs this before any work starts."""
         if self.sleep_level not in (0, 1, 2):
             raise ConfigError(f"vLLM sleep level must be 0, 1 or 2 (got {self.sleep_level})")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ConfigError(f"vLLM gpu_memory_utilization must be in (0, 1] "
+            raise ConfigError(f"--vllm-gpu-memory-utilization must be in (0, 1] "
                               f"(got {self.gpu_memory_utilization})")
         if self.bucket_bytes <= 0:
-            raise ConfigError(f"weight-sync bucket size must be > 0 (got {self.bucket_bytes})")
+            raise ConfigError(f"--vllm-weight-sync-bucket-mb must be > 0 "
+                              f"(got {self.bucket_bytes / 2**20:g})")
         refused = sorted({"quantization", "kv_cache_dtype"} & set(self.llm_kwargs))
         if refused:
             # The sync loads the trainer's BF16 tensors as they are: quantized vLLM weights would
             # need re-quantizing after every load.
             raise ConfigError(f"vLLM llm_kwargs {refused} are not supported by the weight sync")
-        if trainer_tp is not None and trainer_tp % self.tensor_parallel_size != 0:
+        tp = self.tensor_parallel_size
+        if tp < 1 or (trainer_tp is not None and trainer_tp % tp != 0):
             # A vLLM TP group must not straddle two data-parallel ranks (different prompts).
-            raise ConfigError(f"vLLM tensor parallel size {self.tensor_parallel_size} must divide "
-                              f"the trainer's --tensor-model-parallel-size {trainer_tp}")
+            raise ConfigError(f"--vllm-tensor-parallel-size {tp} must divide "
+                              f"--tensor-model-parallel-size {trainer_tp}")
 
     def llm_kwargs_for(self, max_model_len: int) -> dict:
         return {

@@ -57,14 +57,6 @@ def _hf_tokenizer():
 
 
 @pytest.fixture(scope="module")
-def retriever():
-    pytest.importorskip("bm25s")
-    from emapg_megatron.tasks.retriever import BM25Retriever
-
-    return BM25Retriever(CORPUS)
-
-
-@pytest.fixture(scope="module")
 def hf_tok():
     return _hf_tokenizer()
 

@@ -3,7 +3,6 @@ Megatron export at TP=2 into a recording loader), the sampler-vs-trainer log-pro
 model-parallel batch broadcast and the multi-turn episode bookkeeping."""
 
 import math
-import os
 import subprocess
 import sys
 
@@ -17,9 +16,6 @@ from emapg_megatron.rollout.vllm_engine import (INSTALL_HINT, VLLMConfig, VLLMEn
                                                 load_generation_backend, request_seed)
 from emapg_megatron.rollout.weight_sync import rebucket
 from emapg_megatron.runtime import ConfigError
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CORPUS = os.path.join(ROOT, "data", "samples", "corpus.jsonl")
 
 
 # --- import guard ----------------------------------------------------------------------
@@ -157,14 +153,6 @@ class CharTokenizer:
 
     def decode(self, ids):
         return "".join(chr(i) for i in ids)
-
-
-@pytest.fixture(scope="module")
-def retriever():
-    pytest.importorskip("bm25s")
-    from emapg_megatron.tasks.retriever import BM25Retriever
-
-    return BM25Retriever(CORPUS)
 
 
 def _turn(text, base):

@@ -629,14 +629,6 @@ def test_continue_histories_passes_budgets_and_seeds(fake_vllm, fake_sync, tmp_p
     assert [sp.seed for sp in call["params"]] == [None, None, None]
 
 
-@pytest.fixture(scope="module")
-def retriever():
-    pytest.importorskip("bm25s")
-    from emapg_megatron.tasks.retriever import BM25Retriever
-
-    return BM25Retriever(CORPUS)
-
-
 SEARCH = "Let me look. <search> eiffel tower </search>"
 ANSWER = "<answer> Gustave Eiffel </answer>"
 

@@ -77,7 +77,7 @@ def params_by_global_name(ddp_model):
     return {global_param_name(gpt, n): p.detach().clone() for n, p in gpt.named_parameters()}
 
 
-def foundation_run(ckpt_dir: str, save: bool, dist_opt: bool = False):
+def foundation_run(ckpt_dir: str, save: bool, dist_opt: bool = False, adam_eps: float = 1e-8):
     """Logits, one pipeline fwd/bwd and one optimizer step on fixed data, from fixed weights."""
     from megatron.core import parallel_state as ps
 
@@ -86,7 +86,8 @@ def foundation_run(ckpt_dir: str, save: bool, dist_opt: bool = False):
 
     cfg = tiny_config()
     chunks, opt = build_model_and_optimizer(
-        cfg, OptimConfig(lr=1e-2, use_distributed_optimizer=dist_opt, clip_grad=1.0))
+        cfg, OptimConfig(lr=1e-2, use_distributed_optimizer=dist_opt, clip_grad=1.0,
+                           adam_eps=adam_eps))
     gpt = unwrap(chunks[0])
     loaded = save_or_load(gpt.sharded_state_dict, ckpt_dir, save)
     if loaded is not None:

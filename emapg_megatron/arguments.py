@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     a = g["parallel"].add_argument
     a("--tensor-model-parallel-size", type=int, default=1, help="TP degree (vocab-sharded logits)")
     a("--pipeline-model-parallel-size", type=int, default=1, help="PP degree")
+    a("--sequence-parallel", action="store_true",
+      help="Megatron sequence parallelism: with TP >= 2, shard the norms' and dropout's activations "
+           "along the sequence over the TP group (needs --seq-length divisible by TP)")
     a("--use-distributed-optimizer", action="store_true",
       help="shard optimizer state and fp32 main params across data-parallel ranks")
     a("--device", default="auto", choices=("auto", "cpu", "cuda"),
@@ -266,6 +269,11 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     _check(args.task == "synthetic-copy" or args.data_path is not None,
            f"--task {args.task} needs --data-path")
     _check(args.fp8_format is None or args.bf16, "--fp8-format needs --bf16")
+    _check(not args.sequence_parallel or args.tensor_model_parallel_size >= 2,
+           "--sequence-parallel needs --tensor-model-parallel-size >= 2")
+    _check(not args.sequence_parallel or args.seq_length % args.tensor_model_parallel_size == 0,
+           f"--sequence-parallel needs --seq-length {args.seq_length} divisible by "
+           f"--tensor-model-parallel-size {args.tensor_model_parallel_size}")
     _check(args.task != "search" or args.retriever is not None, "--task search needs --retriever")
     _check(args.rollout_engine != "vllm" or args.load_hf is not None,
            "--rollout-engine vllm needs --load-hf (vLLM reads the tokenizer and config from it)")
@@ -306,6 +314,7 @@ def parallel_config(args):
     return ParallelConfig(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        sequence_parallel=args.sequence_parallel,
         device=args.device,
         backend=args.distributed_backend,
         seed=args.seed,

@@ -25,6 +25,7 @@ class ConfigError(ValueError):
 class ParallelConfig:
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
+    sequence_parallel: bool = False  # Megatron's --sequence-parallel: norms/dropout sharded over TP
     device: str = "auto"  # auto | cpu | cuda
     backend: str = "auto"  # auto | gloo | nccl
     seed: int = 1234
@@ -115,13 +116,20 @@ def initialize(cfg: ParallelConfig) -> None:
             rank=_env_int("RANK", 0),
             timeout=datetime.timedelta(minutes=cfg.timeout_minutes),
         )
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=cfg.tensor_model_parallel_size,
-        pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
-        create_gloo_process_groups=backend == "gloo",
-    )
+    parallel_state.initialize_model_parallel(**model_parallel_options(cfg))
     torch.manual_seed(cfg.seed)
     model_parallel_cuda_manual_seed(cfg.seed)
+
+
+def model_parallel_options(cfg: ParallelConfig) -> dict:
+    """Arguments of Megatron's ``initialize_model_parallel`` for this config.
+
+    The Gloo groups are created under nccl too: Megatron's optimizer asks for the Gloo
+    (intra-partial) data-parallel groups whatever the backend, to move optimizer state on the CPU.
+    """
+    return dict(tensor_model_parallel_size=cfg.tensor_model_parallel_size,
+                pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
+                create_gloo_process_groups=True)
 
 
 def destroy() -> None:
@@ -133,9 +141,22 @@ def destroy() -> None:
 
 
 def device() -> torch.device:
-    """The device model tensors live on (CPU in CPU mode)."""
+    """The device model tensors and batches are placed on: this rank's GPU.
+
+    In CPU mode this is still ``cuda:N`` on purpose: :mod:`emapg_megatron.cpu_device` maps the
+    request to the CPU (and its strict mode tags the result as a device tensor), so the code placing
+    a tensor is the same on both platforms and a missing placement shows up in CPU tests. Without
+    the mapping and without a GPU (plain unit tests) it is the CPU.
+    """
     from emapg_megatron import cpu_device
 
-    if cpu_device.installed() or not torch.cuda.is_available():
-        return torch.device("cpu")
-    return torch.device("cuda", torch.cuda.current_device())
+    if cpu_device.installed() or torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def hardware() -> str:
+    """What really computes: ``"cuda"``, or ``"cpu"`` (CPU mode, or no GPU)."""
+    from emapg_megatron import cpu_device
+
+    return "cuda" if torch.cuda.is_available() and not cpu_device.installed() else "cpu"

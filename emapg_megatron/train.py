@@ -82,12 +82,15 @@ def world_size_from_env(args) -> int:
 
 
 def validate_model(args, model_cfg) -> None:
-    from emapg_megatron.models.gpt import validate_precision
+    from emapg_megatron.models.gpt import validate_fp8_shapes, validate_precision
 
     model_cfg.validate(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
     if arguments.topk_k(args) > model_cfg.vocab_size:
         raise ConfigError(f"--kl-topk-tokens {args.kl_topk_tokens} exceeds the vocabulary "
                           f"({model_cfg.vocab_size})")
+    if args.fp8_format is not None:
+        validate_fp8_shapes(model_cfg, args.tensor_model_parallel_size, args.seq_length,
+                            args.sequence_parallel)
     if not args.dry_run:
         validate_precision(precision_config(args), arguments.parallel_config(args).resolved_device())
 
@@ -111,7 +114,8 @@ def build_run(args, tokenizer, task, model_cfg):
     optim = OptimConfig(lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
                         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
                         clip_grad=args.clip_grad, use_distributed_optimizer=args.use_distributed_optimizer)
-    chunks, optimizer = build_model_and_optimizer(model_cfg, optim, precision_config(args))
+    chunks, optimizer = build_model_and_optimizer(model_cfg, optim, precision_config(args),
+                                                  sequence_parallel=args.sequence_parallel)
     if args.pretrained_checkpoint:
         load_pretrained(chunks, optimizer, args.pretrained_checkpoint)
     elif args.load_hf:
@@ -240,9 +244,9 @@ class StopFlag:
         self.requested = True
 
     def agreed(self) -> bool:
-        flag = torch.tensor([float(self.requested)])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return flag.item() > 0
+        from emapg_megatron.training.collectives import any_true
+
+        return any_true(self.requested)
 
 
 def train(args, trainer, logger, start: int) -> int:

@@ -13,11 +13,14 @@ import time
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
+from emapg_megatron import runtime
 from emapg_megatron.algo.advantages import compute_advantages
 from emapg_megatron.algo.policy_loss import LossConfig, normaliser, policy_loss_terms
 from emapg_megatron.tasks.base import encode_text
+from emapg_megatron.training.collectives import gather_cat, reduce_sum
+from emapg_megatron.training.model_and_optimizer import zero_grads
+from emapg_megatron.training.optimizer_step import check_weights, step_if_finite
 from emapg_megatron.training.schedule import (concat_outputs, forward_backward, forward_only,
                                               split_microbatches)
 
@@ -48,11 +51,13 @@ def shifted(per_token: torch.Tensor) -> torch.Tensor:
 
 
 def training_batch(rollout) -> dict:
+    """The rollout as the passes read it, label-aligned and on the device."""
+    device = runtime.device()
     return {
-        "tokens": rollout.tokens,
-        "labels": shifted(rollout.tokens),
-        "mask": shifted(rollout.loss_mask),
-        "sampling_logprob": shifted(rollout.sampling_logprobs),
+        "tokens": rollout.tokens.to(device),
+        "labels": shifted(rollout.tokens).to(device),
+        "mask": shifted(rollout.loss_mask).to(device),
+        "sampling_logprob": shifted(rollout.sampling_logprobs).to(device),
     }
 
 
@@ -117,26 +122,6 @@ class PolicyPasses:
             sampling_logprob=mb["sampling_logprob"], iw_clip=self.kl.iw_clip)
         return policy_loss_terms(terms.logprob, mb["old_logprob"], mb["advantages"],
                                  kl * mb["mask"], terms.entropy, mb["mask"], self.loss)
-
-
-def reduce_sum(values: dict, group=None) -> dict:
-    """All-reduce a dict of scalars (one packed collective)."""
-    keys = sorted(values)
-    packed = torch.stack([torch.as_tensor(values[k], dtype=torch.float64) for k in keys])
-    dist.all_reduce(packed, group=group)
-    return dict(zip(keys, packed.tolist()))
-
-
-def grads_are_finite(model_chunks) -> bool:
-    bad = torch.zeros(1)
-    for chunk in model_chunks:
-        for p in chunk.parameters():
-            g = getattr(p, "main_grad", None)
-            if g is not None and not torch.isfinite(g).all():
-                bad.fill_(1.0)
-                break
-    dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-    return bad.item() == 0.0
 
 
 @dataclass
@@ -219,7 +204,7 @@ class Trainer:
         return batch, seq_rows, [self.tokenizer.decode(r) for r in batch.responses]
 
     def score(self, texts: list[str], rows) -> torch.Tensor:
-        return torch.tensor(self.task.rewards(texts, rows), dtype=torch.float32)
+        return torch.tensor(self.task.rewards(texts, rows), dtype=torch.float32, device=runtime.device())
 
     def shaped_rewards(self, rewards: torch.Tensor, batch: dict) -> torch.Tensor:
         """R - coef * sequence KL(pi_old || pi_ema) (the WARP baseline), where the passes ran."""
@@ -232,10 +217,7 @@ class Trainer:
                                             batch["mask"], coef).float()
 
     def gather_over_dp(self, local: torch.Tensor) -> torch.Tensor:
-        dp, _, group = self._dp()
-        parts = [torch.empty_like(local) for _ in range(dp)]
-        dist.all_gather(parts, local, group=group)
-        return torch.cat(parts)
+        return gather_cat(local, self._dp()[2])
 
     def local_advantages(self, all_rewards: torch.Tensor) -> torch.Tensor:
         """GRPO advantages over the global batch, sliced to this DP rank's sequences.
@@ -259,8 +241,6 @@ class Trainer:
 
     def train_minibatch(self, batch: dict) -> dict:
         """One optimizer step over ``batch`` (this rank's share of a mini-batch)."""
-        from emapg_megatron.training.model_and_optimizer import zero_grads
-
         dp, _, dp_group = self._dp()
         mbs = split_microbatches(batch, self.cfg.micro_batch_size)
         agg = self.passes.loss.agg_mode
@@ -272,16 +252,10 @@ class Trainer:
             return total * scale, metrics
 
         zero_grads(self.model_chunks, self.optimizer)
-        outs = forward_backward(self.model_chunks, mbs, loss)
-        for chunk in self.model_chunks:
-            chunk.finish_grad_sync()
+        outs = forward_backward(self.model_chunks, mbs, loss)  # grads finalized by Megatron's hook
         sums = {k: sum(float(o[k]) for o in outs) for k in LOSS_KEYS} if outs else dict.fromkeys(LOSS_KEYS, 0.0)
-        finite = grads_are_finite(self.model_chunks) and all(
-            torch.isfinite(torch.tensor(v)) for v in sums.values())
-        if finite:
-            self.optimizer.step()
-            self.scheduler.step(increment=1)
-        return {**sums, "finite": float(finite), "norm": norm}
+        applied = step_if_finite(self.model_chunks, self.optimizer, self.scheduler, sums.values())
+        return {**sums, "applied": float(applied), "norm": norm}
 
     def step(self, iteration: int) -> dict:
         t0 = time.monotonic()
@@ -296,6 +270,8 @@ class Trainer:
         t_passes = time.monotonic()
         mismatch = self.rollout_mismatch(batch)
         stats = self.update(batch)
+        if stats["updates_applied"]:
+            check_weights(self.model_chunks, f"after step {iteration}")  # before the EMA and any save
         self.anchor.step(iteration)
         stability = self.stability(iteration, batch)
         self.sampler.update_weights(self.model_chunks)
@@ -338,17 +314,21 @@ class Trainer:
         local_mini = self.cfg.mini_batch_size // dp
         S = batch["tokens"].shape[0]
         totals = dict.fromkeys(LOSS_KEYS, 0.0)
-        skipped = 0
+        applied = refused = 0
         for _ in range(self.cfg.ppo_epochs):
             for start in range(0, S, local_mini):
                 mini = {k: (v[start:start + local_mini] if v is not None else None)
                         for k, v in batch.items()}
                 out = self.train_minibatch(mini)
-                skipped += out["finite"] == 0.0
+                applied += int(out["applied"])
+                refused += int(not out["applied"])
                 for k in LOSS_KEYS:
                     totals[k] += out[k]
-        self.skipped_steps += int(skipped > 0)
-        return {**totals, "skipped": float(skipped > 0)}
+        self.skipped_steps += int(refused > 0)
+        # "skipped": no update applied, so the step changed nothing; a step with some refused
+        # updates shows them in "updates_refused" (its applied updates are health-checked).
+        return {**totals, "skipped": float(applied == 0), "updates_applied": applied,
+                "updates_refused": refused}
 
     def step_metrics(self, stats: dict, rollout, rewards, t0: float, t_rollout: float,
                      t_passes: float) -> dict:
@@ -374,6 +354,7 @@ class Trainer:
             "update_time_s": time.monotonic() - t_passes,
             "lr": self.optimizer.param_groups[0]["lr"],
             "skipped": stats["skipped"],
+            "updates_refused": stats["updates_refused"],
         }
 
 

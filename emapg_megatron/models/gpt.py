@@ -8,6 +8,7 @@ builds the local shard for this rank's TP/PP position.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from dataclasses import asdict, dataclass, field, fields
 
@@ -92,7 +93,19 @@ class PrecisionConfig:
 
 
 def te_available() -> bool:
-    return importlib.util.find_spec("transformer_engine") is not None
+    """Transformer Engine imports and its torch extension loads (a broken install is not TE)."""
+    return _te_import_error() is None
+
+
+@functools.lru_cache(maxsize=1)
+def _te_import_error() -> str | None:
+    if importlib.util.find_spec("transformer_engine") is None:
+        return "transformer_engine is not installed"
+    try:
+        import transformer_engine.pytorch  # noqa: F401  (loads transformer_engine_torch)
+    except Exception as e:  # noqa: BLE001 - any failure means the TE spec cannot be used
+        return f"transformer_engine is installed but does not import: {type(e).__name__}: {e}"
+    return None
 
 
 def use_transformer_engine(device_type: str) -> bool:
@@ -111,12 +124,32 @@ def validate_precision(prec: PrecisionConfig, device_type: str) -> None:
     if device_type != "cuda":
         raise ConfigError("FP8 needs a GPU with Transformer Engine; it cannot run in CPU mode")
     if not te_available():
-        raise ConfigError(
-            "FP8 needs Transformer Engine: pip install 'emapg-megatron[gpu]' or use the NGC image"
-        )
+        raise ConfigError(f"FP8 needs Transformer Engine ({_te_import_error()}): see docs/gpu.md "
+                          "or use the NGC image")
     major, _ = torch.cuda.get_device_capability()
     if major < 9:
         raise ConfigError("FP8 needs a Hopper (sm90) or newer GPU")
+
+
+def validate_fp8_shapes(cfg: ModelConfig, tp: int, seq_length: int, sequence_parallel: bool = False) -> None:
+    """FP8 GEMMs need the token dimension a multiple of 8 and the weight dimensions of 16.
+
+    Every pass feeds whole ``seq_length`` rows, so a multiple of 8 there (per rank under sequence
+    parallelism) makes every micro-batch's token count one, whatever its number of rows.
+    """
+    local = seq_length // tp if sequence_parallel else seq_length
+    if local % 8:
+        raise ConfigError(f"FP8 needs --seq-length{' / TP' if sequence_parallel else ''} "
+                          f"({local}) to be a multiple of 8")
+    head_dim = cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads
+    groups = cfg.num_query_groups or cfg.num_attention_heads
+    dims = {"hidden size": cfg.hidden_size, "FFN size / TP": cfg.ffn_hidden_size // tp,
+            "query projection / TP": cfg.num_attention_heads * head_dim // tp,
+            "key/value projection / TP": groups * head_dim // tp,
+            "padded vocabulary / TP": cfg.padded_vocab_size(tp) // tp}
+    for name, size in dims.items():
+        if size % 16:
+            raise ConfigError(f"FP8 needs every GEMM dimension to be a multiple of 16: the {name} is {size}")
 
 
 def transformer_config(cfg: ModelConfig, tp: int, pp: int, prec: PrecisionConfig | None = None,
@@ -173,7 +206,7 @@ def layer_spec(cfg: ModelConfig, device_type: str):
 def build_gpt_model(cfg: ModelConfig, *, tp: int = 1, pp: int = 1, pre_process: bool = True,
                     post_process: bool = True, prec: PrecisionConfig | None = None,
                     device_type: str = "cpu", vp_stage: int | None = None,
-                    perform_initialization: bool = True):
+                    perform_initialization: bool = True, sequence_parallel: bool = False):
     """Build this rank's shard of the model (call after :func:`emapg_megatron.runtime.initialize`).
 
     ``perform_initialization=False`` skips the random init (weights are left uninitialised):
@@ -184,7 +217,8 @@ def build_gpt_model(cfg: ModelConfig, *, tp: int = 1, pp: int = 1, pre_process: 
     prec = prec or PrecisionConfig()
     cfg.validate(tp, pp)
     validate_precision(prec, device_type)
-    tcfg = transformer_config(cfg, tp, pp, prec, perform_initialization=perform_initialization)
+    tcfg = transformer_config(cfg, tp, pp, prec, perform_initialization=perform_initialization,
+                              sequence_parallel=sequence_parallel)
     model = GPTModel(
         config=tcfg,
         transformer_layer_spec=layer_spec(cfg, device_type),
@@ -203,18 +237,25 @@ def build_gpt_model(cfg: ModelConfig, *, tp: int = 1, pp: int = 1, pre_process: 
     return model
 
 
-def build_for_this_rank(cfg: ModelConfig, prec: PrecisionConfig | None = None):
-    """Build the model for the current parallel_state position."""
+def build_for_this_rank(cfg: ModelConfig, prec: PrecisionConfig | None = None, *,
+                        sequence_parallel: bool = False):
+    """Build the model for the current parallel_state position, on this rank's device.
+
+    Like Megatron's own model builder it moves the model with ``.cuda()``: not every module takes
+    a device (the local spec's ``torch.nn.RMSNorm`` is built on the host).
+    """
     from megatron.core import parallel_state as ps
 
     from emapg_megatron import runtime
 
-    return build_gpt_model(
+    model = build_gpt_model(
         cfg,
         tp=ps.get_tensor_model_parallel_world_size(),
         pp=ps.get_pipeline_model_parallel_world_size(),
         pre_process=ps.is_pipeline_first_stage(),
         post_process=ps.is_pipeline_last_stage(),
         prec=prec,
-        device_type=runtime.device().type,
+        device_type=runtime.hardware(),
+        sequence_parallel=sequence_parallel,
     )
+    return model.cuda(torch.cuda.current_device())

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from emapg_megatron import runtime
 from emapg_megatron.rollout.engine import RolloutBatch, build_rollout_batch
 from emapg_megatron.rollout.episodes import Turn, run_episodes
 from emapg_megatron.training.schedule import forward_only, split_microbatches
@@ -71,11 +72,12 @@ class MegatronSampler:
         from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
         def pick(logits_shard, mb):
-            rows = torch.arange(logits_shard.shape[0])
+            rows = torch.arange(logits_shard.shape[0], device=logits_shard.device)
             last = logits_shard[rows, mb["lengths"] - 1]
             return {"logits": gather_from_tensor_model_parallel_region(last)}
 
-        mbs = split_microbatches({"tokens": tokens, "lengths": lengths},
+        device = runtime.device()
+        mbs = split_microbatches({"tokens": tokens.to(device), "lengths": lengths.to(device)},
                                  min(self.micro_batch_size, tokens.shape[0]))
         outs = forward_only(self.model_chunks, mbs, pick)
         return torch.cat([o["logits"] for o in outs]) if outs else None
@@ -91,10 +93,13 @@ class MegatronSampler:
         return tensors
 
     def _uniforms(self, rng_step: int, turn: int, rows: list[int], width: int) -> torch.Tensor:
-        """One uniform per (sequence, token), keyed by global sequence index: layout-independent."""
+        """One uniform per (sequence, token), keyed by global sequence index: layout-independent.
+
+        Drawn on the host generator (the same numbers on any device), then placed on the device.
+        """
         g = torch.Generator().manual_seed((self.seed * 1_000_003 + rng_step) * 1009 + turn)
         total = max(rows) + 1
-        return torch.rand(total, width, generator=g)[torch.as_tensor(rows)]
+        return torch.rand(total, width, generator=g)[torch.as_tensor(rows)].to(runtime.device())
 
     def _decode(self, histories, budgets: list[int], uniforms: torch.Tensor, temperature: float,
                 top_p: float, stop: Sequence[str] | None) -> list[Turn]:
@@ -108,15 +113,18 @@ class MegatronSampler:
             tokens[s, :len(h)] = torch.as_tensor(h)
         turns = [Turn([], [], "") for _ in range(S)]
         done = torch.tensor([b <= 0 for b in budgets])
+        device = runtime.device()
         for t in range(max(budgets, default=0)):
             if bool(done.all()):
                 break
-            ids, lp = torch.zeros(S, dtype=torch.long), torch.zeros(S)
+            ids = torch.zeros(S, dtype=torch.long, device=device)
+            lp = torch.zeros(S, device=device)
             logits = self._next_token_logits(tokens, lengths)
             if logits is not None:  # only the real vocabulary, never Megatron's padding ids
                 ids, lp = sample_from_logits(logits[:, :self.vocab_size], uniforms[:, t],
                                              temperature, top_p)
             self._broadcast_from_last_stage(ids, lp)
+            ids, lp = ids.cpu(), lp.cpu()  # the bookkeeping below is per sequence, on the host
             for s in torch.nonzero(~done).flatten().tolist():
                 turn = turns[s]
                 turn.token_ids.append(int(ids[s]))

@@ -18,6 +18,13 @@ Corpus format (jsonl, one passage per line), either Search-R1's::
 
 A passage is returned as ``{"id", "title", "text", "contents", "score"}``.
 
+The server validates every request and answers a bad one with ``{"error": message}`` and a 4xx
+status, and keeps serving: 411 without a ``Content-Length``, 400 for a malformed one, 413 for a
+body over ``max_body`` (1 MiB by default), 408 for a body slower than ``request_timeout``, 400
+for ``topk`` that is not an integer in ``1..max_topk`` (100 by default; bools, floats, ``inf``,
+strings are refused) or ``queries`` that are not a non-empty list of non-blank strings of at most
+``max_query_chars`` characters each.
+
 Run a server: ``python -m emapg_megatron.tasks.retriever --corpus data/samples/corpus.jsonl
 --port 8000``.
 """
@@ -27,7 +34,10 @@ import argparse
 import importlib.util
 import json
 import logging
+import math
+import numbers
 import os
+import socket
 import sys
 import threading
 import time
@@ -45,6 +55,9 @@ __all__ = [
     "DenseRetriever",
     "RetrieverServer",
     "RetrieverClient",
+    "RequestError",
+    "check_topk",
+    "parse_retrieve_request",
     "load_corpus",
     "make_retriever",
     "format_passages",
@@ -238,53 +251,231 @@ class DenseRetriever:
 # ----------------------------------------------------------------------------------------------
 # HTTP service
 
+#: Largest request body the server reads (bytes); a larger ``Content-Length`` gets a 413.
+DEFAULT_MAX_BODY = 1 << 20
+#: Largest ``topk`` a request may ask for.
+DEFAULT_MAX_TOPK = 100
+#: Most queries in one request.
+DEFAULT_MAX_QUERIES = 1024
+#: Longest query (characters).
+DEFAULT_MAX_QUERY_CHARS = 8192
+#: Seconds a connection may sit idle, or take to send its headers or body, before it is dropped
+#: (a request whose body is slower than this gets a 408).
+DEFAULT_REQUEST_TIMEOUT = 30.0
+# After an error that leaves part of a request body unread, the server stops writing and reads
+# (and drops) what the client still sends, at most this long / this much, before it closes the
+# socket; closing with unread input would send a TCP reset that can destroy the error reply.
+_LINGER_SECONDS = 2.0
+_LINGER_BYTES = 1 << 23
+_DIGITS = frozenset("0123456789")
+
+
+class RequestError(ValueError):
+    """A request the retriever service refuses: ``status`` is the HTTP status it answers with."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = int(status)
+        self.message = message
+
+
+def _brief(value: Any, limit: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def check_topk(k: Any, max_topk: Optional[int] = None) -> int:
+    """``k`` as an int if it is an integer (not a bool) in ``1..max_topk``, else :class:`RequestError`
+    (a ``ValueError``) with status 400. Floats (``3.0``, ``inf``, ``nan``) and strings are refused."""
+    if isinstance(k, bool) or not isinstance(k, numbers.Integral):
+        raise RequestError(400, f"'topk' must be an integer, got {type(k).__name__} {_brief(k)}")
+    k = int(k)
+    if k < 1 or (max_topk is not None and k > max_topk):
+        upper = "" if max_topk is None else f" and {max_topk}"
+        raise RequestError(400, f"'topk' must be between 1{upper}, got {_brief(k)}")
+    return k
+
+
+def parse_retrieve_request(
+    req: Any,
+    *,
+    max_topk: int = DEFAULT_MAX_TOPK,
+    max_queries: int = DEFAULT_MAX_QUERIES,
+    max_query_chars: int = DEFAULT_MAX_QUERY_CHARS,
+) -> tuple[list[str], int, bool]:
+    """Validate a decoded ``/retrieve`` body; returns ``(queries, topk, return_scores)``.
+
+    ``queries`` is a non-empty list of non-blank strings (a single string is one query), each at
+    most ``max_query_chars`` long, at most ``max_queries`` of them; ``topk`` (or ``k``, default 3)
+    an integer in ``1..max_topk``; ``return_scores`` (default true) a bool. Other keys are
+    ignored. Raises :class:`RequestError` (status 400) with a message naming the field.
+    """
+    if not isinstance(req, dict):
+        raise RequestError(400, f"the request body must be a JSON object, got {type(req).__name__}")
+    if "queries" not in req:
+        raise RequestError(400, "missing 'queries' (a list of query strings)")
+    queries = req["queries"]
+    if isinstance(queries, str):
+        queries = [queries]
+    if not isinstance(queries, list):
+        raise RequestError(400, f"'queries' must be a list of strings, got {type(queries).__name__}")
+    if not queries:
+        raise RequestError(400, "'queries' is empty")
+    if len(queries) > max_queries:
+        raise RequestError(400, f"too many queries: {len(queries)} > {max_queries} per request")
+    for i, q in enumerate(queries):
+        if not isinstance(q, str):
+            raise RequestError(400, f"queries[{i}] must be a string, got {type(q).__name__}")
+        if not q.strip():
+            raise RequestError(400, f"queries[{i}] is empty")
+        if len(q) > max_query_chars:
+            raise RequestError(400, f"queries[{i}] is too long: {len(q)} > {max_query_chars} characters")
+    k = check_topk(req["topk"] if "topk" in req else req.get("k", 3), max_topk)
+    return_scores = req.get("return_scores", True)
+    if not isinstance(return_scores, bool):
+        raise RequestError(400, f"'return_scores' must be true or false, got {_brief(return_scores)}")
+    return list(queries), k, return_scores
+
 
 class _Handler(BaseHTTPRequestHandler):
     server_version = "emapg-retriever/1"
     protocol_version = "HTTP/1.1"
 
+    def setup(self) -> None:
+        self.timeout = self.server.request_timeout  # socket timeout for every read and write
+        super().setup()
+
     def log_message(self, fmt: str, *args: Any) -> None:  # quiet
         logger.debug("retriever %s - " + fmt, self.address_string(), *args)
 
-    def _send(self, code: int, payload: Any) -> None:
+    def _send(self, code: int, payload: Any, close: bool = False) -> None:
         body = json.dumps(payload).encode()
         self.send_response(code)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
+        if close:
+            self.send_header("Connection", "close")  # also sets self.close_connection
         self.end_headers()
-        self.wfile.write(body)
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def send_error(self, code: int, message: Optional[str] = None, explain: Optional[str] = None) -> None:
+        """Errors found by ``http.server`` itself (bad request line, unknown method): JSON too."""
+        short, long = self.responses.get(code, ("error", ""))
+        self.log_error("code %d, message %s", code, message)
+        self._send(code, {"error": message or long or short}, close=True)
+
+    def _refuse(self, err: RequestError, unread_body: bool) -> None:
+        """Answer ``err``; with ``unread_body`` the rest of the body cannot be told from the next
+        request, so the connection closes (after draining what the client still sends)."""
+        self._send(err.status, {"error": err.message}, close=unread_body)
+        if unread_body:
+            self._linger()
+
+    def _linger(self) -> None:
+        self.close_connection = True
+        sock = self.connection
+        try:
+            self.wfile.flush()
+            sock.shutdown(socket.SHUT_WR)  # the reply is out; the client sees EOF after it
+            deadline = time.monotonic() + _LINGER_SECONDS
+            drained = 0
+            while drained < _LINGER_BYTES:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                sock.settimeout(left)
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                drained += len(chunk)
+        except OSError:  # includes the timeout
+            pass
+
+    def _body_length(self) -> int:
+        """The request's Content-Length, validated (RequestError otherwise)."""
+        if self.headers.get("Transfer-Encoding") is not None:
+            raise RequestError(411, "Transfer-Encoding is not supported; send the body with a Content-Length")
+        values = self.headers.get_all("Content-Length") or []
+        if not values:
+            raise RequestError(411, "missing Content-Length header")
+        raw = {v.strip() for v in values}
+        if len(raw) != 1:
+            raise RequestError(400, "conflicting Content-Length headers")
+        text = raw.pop()
+        if not text or not set(text) <= _DIGITS:
+            raise RequestError(400, f"invalid Content-Length {_brief(text)}: must be a non-negative integer")
+        max_body = self.server.max_body
+        text = text.lstrip("0") or "0"
+        if len(text) > len(str(max_body)) or int(text) > max_body:
+            raise RequestError(413, f"request body too large: Content-Length {_brief(text)} > {max_body} bytes")
+        return int(text)
+
+    def handle_expect_100(self) -> bool:
+        # refuse a bad or oversized body before the client sends it
+        if self.command == "POST":
+            try:
+                self._body_length()
+            except RequestError as e:
+                self._refuse(e, unread_body=True)
+                return False
+        return super().handle_expect_100()
 
     def do_GET(self) -> None:  # noqa: N802
         if self.path.rstrip("/") == "/health":
-            self._send(200, {"ok": True, "passages": len(getattr(self.server.retriever, "passages", []))})
+            srv = self.server
+            self._send(200, {"ok": True, "passages": len(getattr(srv.retriever, "passages", [])),
+                             "max_topk": srv.max_topk, "max_queries": srv.max_queries,
+                             "max_query_chars": srv.max_query_chars, "max_body": srv.max_body})
         else:
-            self._send(404, {"error": "not found"})
+            self._send(404, {"error": f"not found: {self.path[:200]}"})
 
     def do_POST(self) -> None:  # noqa: N802
+        try:
+            self._post()
+        except Exception as e:  # a bug must not drop the connection without an answer
+            logger.exception("retriever request failed")
+            try:
+                self._send(500, {"error": f"internal error: {type(e).__name__}"}, close=True)
+            except OSError:
+                self.close_connection = True
+
+    def _post(self) -> None:
         if self.path.rstrip("/") != "/retrieve":
-            self._send(404, {"error": "not found"})
+            self._refuse(RequestError(404, f"not found: {self.path[:200]} (POST /retrieve)"), unread_body=True)
             return
         try:
-            n = int(self.headers.get("Content-Length", "0"))
-            if n > self.server.max_body:
-                self._send(413, {"error": "request too large"})
-                return
-            req = json.loads(self.rfile.read(n) or b"{}")
-            queries = req.get("queries")
-            if isinstance(queries, str):
-                queries = [queries]
-            if not isinstance(queries, list):
-                raise ValueError("'queries' must be a list of strings")
-            k = int(req.get("topk", req.get("k", 3)))
-            return_scores = bool(req.get("return_scores", True))
-        except (ValueError, TypeError) as e:
-            self._send(400, {"error": str(e)})
+            n = self._body_length()
+        except RequestError as e:
+            self._refuse(e, unread_body=True)
             return
         try:
-            results = self.server.retriever.batch_search([str(q) for q in queries], k)
+            data = self.rfile.read(n) if n else b""
+        except TimeoutError:
+            self._send(408, {"error": f"timed out reading the {n}-byte request body"}, close=True)
+            return
+        if len(data) < n:
+            self._send(400, {"error": f"request body ended after {len(data)} of {n} bytes"}, close=True)
+            return
+        srv = self.server
+        try:
+            if not data.strip():
+                raise RequestError(400, "empty request body; expected a JSON object")
+            try:
+                req = json.loads(data)
+            except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, ...
+                raise RequestError(400, f"invalid JSON body: {str(e)[:200]}")
+            queries, k, return_scores = parse_retrieve_request(
+                req, max_topk=srv.max_topk, max_queries=srv.max_queries,
+                max_query_chars=srv.max_query_chars)
+        except RequestError as e:
+            self._refuse(e, unread_body=False)  # the body was read: the connection stays usable
+            return
+        try:
+            results = srv.retriever.batch_search(queries, k)
         except Exception as e:  # keep serving
             logger.exception("retrieval failed")
-            self._send(500, {"error": f"{type(e).__name__}: {e}"})
+            self._send(500, {"error": f"retrieval failed: {type(e).__name__}: {str(e)[:200]}"})
             return
         out = []
         for hits in results:
@@ -297,22 +488,37 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(200, {"result": out})
 
 
+def _positive(name: str, value: Any, kind: type = int) -> Any:
+    if isinstance(value, bool) or not isinstance(value, (numbers.Integral if kind is int else numbers.Real)) \
+            or not value > 0 or (kind is float and not math.isfinite(value)):
+        raise ValueError(f"{name} must be a positive {'integer' if kind is int else 'number'}, got {value!r}")
+    return kind(value)
+
+
 class RetrieverServer:
     """Serve a retriever over HTTP on the loopback interface, in a background thread.
 
-    ``port=0`` picks a free port; read it back from ``.port`` / ``.url``.
+    ``port=0`` picks a free port; read it back from ``.port`` / ``.url``. Requests are
+    validated: a body over ``max_body`` bytes gets 413, a missing / bad ``Content-Length``
+    411 / 400, a ``topk`` outside ``1..max_topk`` or a bad ``queries`` field 400, a body slower
+    than ``request_timeout`` seconds 408; every error is ``{"error": message}`` and the server
+    keeps serving.
     """
 
     def __init__(self, retriever: Retriever, host: str = "127.0.0.1", port: int = 0,
-                 max_body: int = 1 << 22) -> None:
+                 max_body: int = DEFAULT_MAX_BODY, *, max_topk: int = DEFAULT_MAX_TOPK,
+                 max_queries: int = DEFAULT_MAX_QUERIES, max_query_chars: int = DEFAULT_MAX_QUERY_CHARS,
+                 request_timeout: float = DEFAULT_REQUEST_TIMEOUT) -> None:
         if host not in _LOOPBACK:
             raise ValueError(f"the retriever service binds to loopback only (127.0.0.1), not {host!r}")
+        limits = {"max_body": _positive("max_body", max_body), "max_topk": _positive("max_topk", max_topk),
+                  "max_queries": _positive("max_queries", max_queries),
+                  "max_query_chars": _positive("max_query_chars", max_query_chars),
+                  "request_timeout": _positive("request_timeout", request_timeout, float)}
         if host == "localhost":
             host = "127.0.0.1"
         server_cls = ThreadingHTTPServer
         if ":" in host:
-            import socket
-
             class _V6(ThreadingHTTPServer):
                 address_family = socket.AF_INET6
 
@@ -320,7 +526,9 @@ class RetrieverServer:
         self._httpd = server_cls((host, port), _Handler)
         self._httpd.daemon_threads = True
         self._httpd.retriever = retriever  # type: ignore[attr-defined]
-        self._httpd.max_body = max_body  # type: ignore[attr-defined]
+        for name, value in limits.items():
+            setattr(self._httpd, name, value)
+            setattr(self, name, value)
         self.host = host
         self.port = self._httpd.server_address[1]
         self._thread: Optional[threading.Thread] = None
@@ -353,7 +561,11 @@ class RetrieverServer:
 
 
 class RetrieverClient:
-    """Client for :class:`RetrieverServer` (or a Search-R1 retrieval server)."""
+    """Client for :class:`RetrieverServer` (or a Search-R1 retrieval server).
+
+    ``k`` must be an integer >= 1 (``ValueError`` otherwise, before any request); a request the
+    server refuses (4xx) raises ``RuntimeError`` with the server's message and is not retried.
+    """
 
     def __init__(self, url: str, timeout: float = 30.0, retries: int = 2) -> None:
         url = url.rstrip("/")
@@ -365,10 +577,25 @@ class RetrieverClient:
         self._opener = (urllib.request.build_opener(urllib.request.ProxyHandler({}))
                         if host in _LOOPBACK else urllib.request.build_opener())
 
+    @staticmethod
+    def _error_message(e: urllib.error.HTTPError) -> str:
+        try:
+            raw = e.read(4096)
+        except (OSError, ValueError):
+            raw = b""
+        try:
+            payload = json.loads(raw)
+            if isinstance(payload, dict) and isinstance(payload.get("error"), str):
+                return payload["error"]
+        except ValueError:
+            pass
+        return repr(raw[:200])
+
     def batch_search(self, queries: Sequence[str], k: int = 3) -> list[list[dict]]:
+        k = check_topk(k)
         if not queries:
             return []
-        body = json.dumps({"queries": list(queries), "topk": int(k), "return_scores": True}).encode()
+        body = json.dumps({"queries": [str(q) for q in queries], "topk": k, "return_scores": True}).encode()
         last: Optional[Exception] = None
         for attempt in range(self.retries + 1):
             req = urllib.request.Request(self.endpoint, data=body,
@@ -379,11 +606,13 @@ class RetrieverClient:
                 break
             except urllib.error.HTTPError as e:
                 if 400 <= e.code < 500:
-                    raise RuntimeError(f"retriever {self.endpoint} rejected the request: {e.code} {e.read()[:200]!r}")
+                    raise RuntimeError(f"retriever {self.endpoint} rejected the request: "
+                                       f"{e.code} {self._error_message(e)}")
                 last = e
             except (urllib.error.URLError, OSError, json.JSONDecodeError) as e:
                 last = e
-            time.sleep(0.2 * (attempt + 1))
+            if attempt < self.retries:
+                time.sleep(0.2 * (attempt + 1))
         else:
             raise ConnectionError(f"retriever {self.endpoint} unreachable: {last}")
         out = []
@@ -420,6 +649,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--corpus", required=True, help="passage corpus (jsonl)")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--host", default="127.0.0.1", help="loopback only")
+    ap.add_argument("--max-body", type=int, default=DEFAULT_MAX_BODY,
+                    help="largest request body in bytes (larger: 413)")
+    ap.add_argument("--max-topk", type=int, default=DEFAULT_MAX_TOPK, help="largest topk a request may ask for")
+    ap.add_argument("--max-queries", type=int, default=DEFAULT_MAX_QUERIES, help="most queries per request")
+    ap.add_argument("--max-query-chars", type=int, default=DEFAULT_MAX_QUERY_CHARS,
+                    help="longest query in characters")
+    ap.add_argument("--request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT,
+                    help="seconds a connection may stay idle or take to send a request")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
     logging.getLogger("bm25s").setLevel(logging.WARNING)
@@ -427,7 +664,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         ap.error(f"--host must be a loopback address (127.0.0.1), not {args.host!r}")
     try:
         retr = BM25Retriever(args.corpus)
-        srv = RetrieverServer(retr, host=args.host, port=args.port)
+        srv = RetrieverServer(retr, host=args.host, port=args.port, max_body=args.max_body,
+                              max_topk=args.max_topk, max_queries=args.max_queries,
+                              max_query_chars=args.max_query_chars, request_timeout=args.request_timeout)
     except (ImportError, OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -52,15 +52,25 @@ def build_optimizer(model_chunks: list, optim: OptimConfig, prec: PrecisionConfi
     return get_megatron_optimizer(config, model_chunks)
 
 
-def build_model_and_optimizer(cfg: ModelConfig, optim: OptimConfig, prec: PrecisionConfig | None = None):
-    """Returns ``([ddp_model], optimizer)`` for this rank's TP/PP/DP position."""
+def build_model_and_optimizer(cfg: ModelConfig, optim: OptimConfig, prec: PrecisionConfig | None = None,
+                              *, sequence_parallel: bool = False):
+    """Returns ``([ddp_model], optimizer)`` for this rank's TP/PP/DP position.
+
+    As in Megatron-LM's training loop, the model config carries Megatron's
+    ``finalize_model_grads``, which the pipeline schedule calls after the last backward: the DP
+    reduction, the tied-embedding sum over the first and last stage, and the sum over TP of the
+    gradients of TP-replicated weights (qk-layernorm, and all norms under sequence parallelism).
+    """
+    from megatron.core.distributed import finalize_model_grads
+
     prec = prec or PrecisionConfig()
-    model = build_for_this_rank(cfg, prec)
+    model = build_for_this_rank(cfg, prec, sequence_parallel=sequence_parallel)
     if prec.bf16:
         from megatron.core.transformer.module import Float16Module
 
         model = Float16Module(model.config, model)  # casts weights and activations to bf16
     model = wrap_ddp(model, use_distributed_optimizer=optim.use_distributed_optimizer)
+    model.config.finalize_model_grads_func = finalize_model_grads
     return [model], build_optimizer([model], optim, prec)
 
 

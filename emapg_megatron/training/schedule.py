@@ -18,6 +18,18 @@ def positions_for(tokens: torch.Tensor) -> torch.Tensor:
     return torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
 
 
+def logits_of(model, tokens: torch.Tensor) -> torch.Tensor:
+    """The model's vocab-sharded logits in its compute dtype.
+
+    Megatron's ``Float16Module`` casts bf16 logits to fp32 unless told not to: a second, twice as
+    large copy of the biggest activation. The vocab-parallel ops upcast chunk by chunk instead.
+    """
+    from megatron.core.transformer.module import Float16Module
+
+    kwargs = {"fp32_output": False} if isinstance(getattr(model, "module", None), Float16Module) else {}
+    return model(tokens, positions_for(tokens), None, **kwargs)
+
+
 def _run(model_chunks, microbatches: list[dict], forward_step, *, forward_only: bool,
          collect_non_loss_data: bool):
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -44,7 +56,7 @@ def forward_only(model_chunks, microbatches: list[dict],
 
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
-        logits = model(mb["tokens"], positions_for(mb["tokens"]), None)
+        logits = logits_of(model, mb["tokens"])
 
         def collect(output, non_loss_data=False):
             return compute(output, mb)
@@ -67,7 +79,7 @@ def forward_backward(model_chunks, microbatches: list[dict],
 
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
-        logits = model(mb["tokens"], positions_for(mb["tokens"]), None)
+        logits = logits_of(model, mb["tokens"])
         return logits, lambda output: loss(output, mb)
 
     return _run(model_chunks, microbatches, forward_step, forward_only=False,

@@ -1,0 +1,48 @@
+"""The trainer's few collectives over scalars and per-sequence values, on the device.
+
+NCCL takes device tensors only, so every buffer here is placed on :func:`runtime.device` (the CPU
+in CPU mode, where the strict device mode checks that placement). ``group=None`` is the world.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from emapg_megatron import runtime
+
+
+def reduce_sum(values: dict, group=None) -> dict:
+    """Sum a dict of scalars over ``group`` in one packed fp64 collective."""
+    keys = sorted(values)
+    packed = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=runtime.device())
+    dist.all_reduce(packed, group=group)
+    return dict(zip(keys, packed.tolist()))
+
+
+def all_true(flag: bool, group=None) -> bool:
+    """Whether ``flag`` holds on every rank of ``group``."""
+    bad = torch.tensor([0.0 if flag else 1.0], device=runtime.device())
+    dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=group)
+    return bad.item() == 0.0
+
+
+def any_true(flag: bool, group=None) -> bool:
+    """Whether ``flag`` holds on some rank of ``group``."""
+    return not all_true(not flag, group)
+
+
+def gather_cat(local: torch.Tensor, group) -> torch.Tensor:
+    """Concatenate every rank's equal-shaped ``local`` in rank order (returned on the device)."""
+    local = local.to(runtime.device())
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, local, group=group)
+    return torch.cat(parts)
+
+
+def reduce_max(value: float, group=None) -> float:
+    """The largest ``value`` over ``group`` (NaN counts as +inf)."""
+    v = torch.tensor([value if value == value else float("inf")], dtype=torch.float64,
+                     device=runtime.device())
+    dist.all_reduce(v, op=dist.ReduceOp.MAX, group=group)
+    return v.item()

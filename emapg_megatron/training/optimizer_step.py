@@ -1,0 +1,60 @@
+"""The gradient step: finite check, clip and step, and the health of the weights it leaves.
+
+Gradients arrive complete: Megatron's ``finalize_model_grads`` (set as the model config's hook
+in :mod:`.model_and_optimizer`) runs at the end of every forward-backward schedule.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from emapg_megatron.runtime import ConfigError
+from emapg_megatron.training.collectives import all_true, reduce_max
+
+#: Weights beyond this magnitude have exploded: a transformer's weights are O(1), and activations
+#: computed from weights this large overflow bf16 / fp32 in the next forward pass.
+EXPLODED_WEIGHT = 1e6
+
+
+def local_grads_finite(model_chunks) -> bool:
+    for chunk in model_chunks:
+        for p in chunk.parameters():
+            g = getattr(p, "main_grad", None)
+            if g is not None and not bool(torch.isfinite(g).all()):
+                return False
+    return True
+
+
+def step_if_finite(model_chunks, optimizer, scheduler, loss_values) -> bool:
+    """Clip and step when every gradient on every rank and every loss value is finite.
+
+    Returns whether the update was applied; a refused update changes no weight and no state.
+    """
+    ok = local_grads_finite(model_chunks) and all(math.isfinite(v) for v in loss_values)
+    if not all_true(ok):
+        return False
+    optimizer.step()
+    scheduler.step(increment=1)
+    return True
+
+
+@torch.no_grad()
+def largest_weight(model_chunks) -> float:
+    """max |w| over the whole model (inf when any weight is non-finite), on every rank."""
+    params = [p.detach() for chunk in model_chunks for p in chunk.parameters() if p.numel()]
+    local = float(torch.stack(torch._foreach_norm(params, float("inf"))).max()) if params else 0.0
+    return reduce_max(local)
+
+
+def check_weights(model_chunks, when: str) -> None:
+    """Stop with one line when the weights are non-finite or exploded (before EMA and saving)."""
+    largest = largest_weight(model_chunks)
+    if not math.isfinite(largest):
+        raise ConfigError(f"stopping {when}: the weights are non-finite; no checkpoint written, "
+                          "the EMA anchor not updated (lower --lr, or set --clip-grad)")
+    if largest > EXPLODED_WEIGHT:
+        raise ConfigError(f"stopping {when}: the weights exploded (max |w| = {largest:.3g} > "
+                          f"{EXPLODED_WEIGHT:.0e}); no checkpoint written, the EMA anchor not updated "
+                          "(lower --lr, or set --clip-grad)")

@@ -13,11 +13,9 @@ from importlib import resources
 
 import yaml
 
-from emapg_megatron.kl import F_DIVERGENCES, KL_DIRECTIONS, SAMPLED_ESTIMATORS, TOPK_TAILS
+from emapg_megatron.kl import LOSS_TYPE_NAMES, SAMPLED, TOPK_TAILS, loss_type
 from emapg_megatron.runtime import ConfigError
 
-TOPK_KL_TYPES = tuple(f"topk-{d}" for d in KL_DIRECTIONS)
-KL_LOSS_TYPES = SAMPLED_ESTIMATORS + TOPK_KL_TYPES + tuple(f"topk-{f}" for f in F_DIVERGENCES)
 TASKS = ("synthetic-copy", "math", "search")
 PRESETS_PACKAGE = "emapg_megatron.presets"
 
@@ -45,6 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
       help="world size to validate a --dry-run against (default: $WORLD_SIZE or 1)")
     a("--task", default="synthetic-copy", choices=TASKS, help="RL task providing prompts and rewards")
     a("--data-path", default=None, help="local parquet/jsonl training data (math and search tasks)")
+    a("--long-prompts", default="error", choices=("error", "drop"),
+      help="prompts longer than --seq-length minus --max-new-tokens (search: --max-turn-tokens): "
+           "error stops before training with their count and first row; drop leaves them out and "
+           "logs the count")
     a("--seed", type=int, default=1234, help="random seed for weights, data order and sampling")
     a("--train-iters", type=int, default=100,
       help="total trainer steps; a run resumed with --load continues up to this total")
@@ -166,10 +168,13 @@ def build_parser() -> argparse.ArgumentParser:
     a("--entropy-coef", type=float, default=0.0, help="entropy bonus coefficient")
 
     a = g["kl"].add_argument
-    a("--kl-loss-type", default="topk-reverse", choices=KL_LOSS_TYPES,
+    a("--kl-loss-type", default="topk-reverse", choices=LOSS_TYPE_NAMES,
       help="token-level KL estimator against the anchor: sampled k1..k5/k3++, Top-k KL, "
            "or a Top-k f-divergence")
-    a("--kl-topk-tokens", type=int, default=32, help="k of the Top-k estimators")
+    a("--kl-topk-tokens", type=int, default=32, help="k of the Top-k estimators (>= 1 for topk-*)")
+    a("--kl-alpha", type=float, default=None,
+      help="alpha of the alpha-divergence (--kl-loss-type topk-alpha only): any finite value but 0 "
+           "and 1, which are the two KL limits")
     a("--kl-tail", default="unbiased", choices=TOPK_TAILS,
       help="Top-k tail: unbiased (corrected gradient), paper (Algorithms 1/2 as printed), none")
     a("--kl-iw-clip", type=float, nargs=2, default=None, metavar=("MIN", "MAX"),
@@ -200,13 +205,45 @@ def _yaml_defaults(parser: argparse.ArgumentParser, path: str, what: str) -> dic
         raise ConfigError(f"{what} {path} is not valid YAML: {e}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{what} {path} must be a mapping of flag names to values")
-    known = {a.dest for a in parser._actions}
+    actions = {a.dest: a for a in parser._actions}
     out = {}
     for key, value in data.items():
         dest = str(key).replace("-", "_")
-        if dest not in known or dest in ("config", "preset"):
+        if dest not in actions or dest in ("config", "preset"):
             raise ConfigError(f"{what} {path}: unknown option {key!r}")
-        out[dest] = value
+        try:
+            out[dest] = _yaml_value(actions[dest], value)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"{what} {path}: {key}: {e}") from None
+    return out
+
+
+def _yaml_value(action: argparse.Action, value):
+    """A YAML value checked as the command line checks the flag: type, arity and choices."""
+    if value is None:
+        return None
+    if action.nargs == 0:  # store_true / store_false
+        if not isinstance(value, bool):
+            raise ValueError(f"must be true or false (got {value!r})")
+        return value
+    if isinstance(action.nargs, int):
+        if not isinstance(value, list) or len(value) != action.nargs:
+            raise ValueError(f"must be a list of {action.nargs} values (got {value!r})")
+        return [_yaml_scalar(action, v) for v in value]
+    return _yaml_scalar(action, value)
+
+
+def _yaml_scalar(action: argparse.Action, value):
+    if isinstance(value, (list, dict)):
+        raise ValueError(f"must be a single value (got {value!r})")
+    kind = action.type
+    if kind in (int, float) and isinstance(value, bool):
+        raise ValueError(f"must be a number (got {value!r})")
+    if kind is int and not (isinstance(value, int) or (isinstance(value, str) and value.strip().lstrip("+-").isdigit())):
+        raise ValueError(f"must be an integer (got {value!r})")
+    out = kind(value) if kind is not None else (value if isinstance(value, str) else str(value))
+    if action.choices is not None and out not in action.choices:
+        raise ValueError(f"must be one of {', '.join(map(str, action.choices))} (got {value!r})")
     return out
 
 
@@ -244,6 +281,17 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
            "--ema-shard-over-dp needs --use-distributed-optimizer")
     _check(args.train_iters >= 1, f"--train-iters must be >= 1 (got {args.train_iters})")
     _check(args.kl_topk_tokens >= 0, "--kl-topk-tokens must be >= 0")
+    kl = loss_type(args.kl_loss_type)
+    _check(kl.family == SAMPLED or args.kl_topk_tokens >= 1,
+           f"--kl-loss-type {args.kl_loss_type} needs --kl-topk-tokens >= 1 (got {args.kl_topk_tokens})")
+    _check(kl.needs_alpha or args.kl_alpha is None,
+           f"--kl-alpha is only for --kl-loss-type topk-alpha (got {args.kl_loss_type})")
+    if kl.needs_alpha:
+        _check(args.kl_alpha is not None, "--kl-loss-type topk-alpha needs --kl-alpha")
+        try:
+            kl.check_alpha(args.kl_alpha)
+        except ValueError as e:
+            raise ConfigError(f"--kl-alpha: {e}") from None
     _check(args.temperature > 0, "--temperature must be > 0")
     _check(0.0 < args.top_p <= 1.0, "--top-p must be in (0, 1]")
     _check(args.clip_eps_low >= 0 and args.clip_eps_high >= 0, "PPO clip epsilons must be >= 0")

@@ -40,6 +40,14 @@ def build_tokenizer_and_task(args):
                                max_obs_tokens=args.max_obs_tokens, topk=args.retriever_topk)
 
 
+def load_prompts(args, tokenizer, task):
+    """The training prompts, checked: readable data, every prompt fits --seq-length."""
+    from emapg_megatron.training.prompt_data import load_training_prompts
+
+    return load_training_prompts(task, args.data_path, tokenizer, seq_length=args.seq_length,
+                                 max_new_tokens=args.max_new_tokens, long_prompts=args.long_prompts)
+
+
 def model_config(args):
     """The architecture: from --load-hf's config.json, else from the flags (no weights read)."""
     from emapg_megatron.models.gpt import ModelConfig
@@ -102,7 +110,7 @@ def layout(args, world: int) -> dict:
 
 
 # --- building the run ----------------------------------------------------------------
-def build_run(args, tokenizer, task, model_cfg):
+def build_run(args, tokenizer, task, model_cfg, rows):
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     from emapg_megatron.algo.policy_loss import LossConfig
@@ -136,10 +144,9 @@ def build_run(args, tokenizer, task, model_cfg):
     anchor = EmaAnchor(chunks, optimizer, ema_cfg)
     sampler = build_rollout_engine(args, chunks, model_cfg, tokenizer)
     kl = KLConfig(args.kl_loss_type, args.kl_topk_tokens, args.kl_tail,
-                  tuple(args.kl_iw_clip) if args.kl_iw_clip else None)
+                  tuple(args.kl_iw_clip) if args.kl_iw_clip else None, alpha=args.kl_alpha)
     loss = LossConfig(args.clip_eps_low, args.clip_eps_high, args.kl_coef, args.entropy_coef,
                       args.loss_agg_mode)
-    rows = task.rows if args.task == "synthetic-copy" else task.load(args.data_path)
     step_cfg = StepConfig(
         num_samples=args.num_samples_per_prompt, micro_batch_size=args.micro_batch_size,
         mini_batch_size=args.global_batch_size or args.rollout_batch_size * args.num_samples_per_prompt,
@@ -269,22 +276,29 @@ def train(args, trainer, logger, start: int) -> int:
     return iteration
 
 
-def run(argv=None) -> int:
-    from emapg_megatron.metrics import MetricsLogger
-
-    runtime.quiet_expected_warnings()
+def prepare(argv=None):
+    """Parse and validate everything that needs no process group: ``(args, model_cfg)``."""
     args = arguments.parse_args(argv)
     arguments.validate(args, world_size_from_env(args))  # before loading anything
     model_cfg = model_config(args)
     validate_model(args, model_cfg)
+    return args, model_cfg
+
+
+def run(argv=None) -> int:
+    from emapg_megatron.metrics import MetricsLogger
+
+    runtime.quiet_expected_warnings()
+    args, model_cfg = prepare(argv)
+    tokenizer, task = build_tokenizer_and_task(args)
+    prompts = load_prompts(args, tokenizer, task)  # bad data stops here, before any work
     if args.dry_run:
-        print(json.dumps({"layout": layout(args, world_size_from_env(args)),
+        print(json.dumps({"layout": layout(args, world_size_from_env(args)), "prompts": len(prompts.rows),
                           "model": model_cfg.to_dict(), "args": vars(args)}, indent=2, default=str))
         return 0
-    tokenizer, task = build_tokenizer_and_task(args)
     runtime.initialize(arguments.parallel_config(args))
     try:
-        trainer = build_run(args, tokenizer, task, model_cfg)
+        trainer = build_run(args, tokenizer, task, model_cfg, prompts.rows)
         start = resume(args, trainer) if args.load else 0
         log0(f"layout {layout(args, dist.get_world_size())}; training steps {start + 1}..{args.train_iters}")
         logger = MetricsLogger(args.log_dir, args.train_iters, tensorboard_dir=args.tensorboard_dir,

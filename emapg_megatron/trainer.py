@@ -17,6 +17,7 @@ import torch
 from emapg_megatron import runtime
 from emapg_megatron.algo.advantages import compute_advantages
 from emapg_megatron.algo.policy_loss import LossConfig, normaliser, policy_loss_terms
+from emapg_megatron.kl import loss_type, uses_topk
 from emapg_megatron.tasks.base import encode_text
 from emapg_megatron.training.collectives import gather_cat, reduce_sum
 from emapg_megatron.training.model_and_optimizer import zero_grads
@@ -29,18 +30,24 @@ LOSS_KEYS = ("pg_loss", "kl", "clip_frac", "entropy", "tokens")
 
 @dataclass
 class KLConfig:
-    loss_type: str = "topk-reverse"
-    k: int = 32
-    tail: str = "unbiased"
-    iw_clip: tuple[float, float] | None = None
+    """The token-level KL term; everything about a loss type comes from the KL registry."""
+
+    loss_type: str = "topk-reverse"  # a name of emapg_megatron.kl.LOSS_TYPES
+    k: int = 32  # size of the top-k set q (Top-k families)
+    tail: str = "unbiased"  # Top-k tail correction: unbiased | paper | none
+    iw_clip: tuple[float, float] | None = None  # clip of the importance weight of the tail
+    alpha: float | None = None  # the alpha-divergence's alpha (topk-alpha only)
 
     @property
-    def direction(self) -> str | None:
-        return {"topk-reverse": "reverse", "topk-forward": "forward"}.get(self.loss_type)
+    def q_source(self) -> str | None:
+        """Which pass takes the top-k ids: "old" (pi_old), "anchor" (pi_ema), or None."""
+        if not uses_topk(self.loss_type, self.k):
+            return None
+        return loss_type(self.loss_type).q_source(self.alpha)
 
     @property
     def uses_topk(self) -> bool:
-        return self.loss_type.startswith("topk-") and self.k > 0
+        return self.q_source is not None
 
 
 def shifted(per_token: torch.Tensor) -> torch.Tensor:
@@ -80,7 +87,7 @@ class PolicyPasses:
 
         out = {"old_logprob": vocab_parallel_logprobs_at(logits, mb["labels"], group=self._tp_group(),
                                                          vocab_size=self.vocab_size)}
-        if self.kl.uses_topk and self.kl.direction != "forward":
+        if self.kl.q_source == "old":
             ids, _ = vocab_parallel_topk(logits, self.kl.k, vocab_size=self.vocab_size,
                                          group=self._tp_group())
             out["topk_index"] = ids  # q from the (recomputed) sampling policy
@@ -92,7 +99,7 @@ class PolicyPasses:
         group = self._tp_group()
         out = {"ref_logprob": vocab_parallel_logprobs_at(logits, mb["labels"], group=group,
                                                          vocab_size=self.vocab_size)}
-        if self.kl.uses_topk and self.kl.direction == "forward":
+        if self.kl.q_source == "anchor":
             ids, lps = vocab_parallel_topk(logits, self.kl.k, vocab_size=self.vocab_size, group=group)
             out.update(topk_index=ids, ref_logprob_topk=lps)  # q from the anchor itself
         elif self.kl.uses_topk:
@@ -118,7 +125,7 @@ class PolicyPasses:
                                             loss_mask=mb["mask"])
         kl = kl_from_policy_terms(
             terms, mb["labels"], q, mb.get("ref_logprob_topk"), mb["ref_logprob"],
-            kind=self.kl.loss_type, tail=self.kl.tail,
+            kind=self.kl.loss_type, tail=self.kl.tail, alpha=self.kl.alpha,
             sampling_logprob=mb["sampling_logprob"], iw_clip=self.kl.iw_clip)
         return policy_loss_terms(terms.logprob, mb["old_logprob"], mb["advantages"],
                                  kl * mb["mask"], terms.entropy, mb["mask"], self.loss)

@@ -332,3 +332,69 @@ def tp_job(ckpt_dir: str, save: bool) -> dict:
     res = vocab_parallel_checks("tp")
     res["gpt"] = gpt_policy_run(ckpt_dir, save)
     return res
+
+
+# --- precision under a constant logit offset (test_parallel_precision.py) ---------------------------
+
+PREC_T, PREC_V, PREC_PADDED, PREC_K = 24, 500, 512, 8  # 12 padding columns (all on the last rank)
+PREC_OFFSETS = (0.0, 1e4)
+PREC_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+PREC_SMALL_V = PREC_PADDED // 2  # at TP 2 the last rank holds only padding
+
+
+def precision_inputs(offset: float, tag: str) -> dict:
+    """Logits ``offset + 3 randn`` rounded to ``tag``'s dtype (the reference uses these rounded
+    values), padding columns above every real logit; tokens, q (k distinct ids) and loss weights."""
+    g = torch.Generator().manual_seed(17)
+    logits = torch.randn(PREC_T, PREC_PADDED, generator=g, dtype=torch.float64) * 3.0
+    logits[:, PREC_V:] = 15.0
+    tokens = torch.randint(0, PREC_V, (PREC_T,), generator=g)
+    q = torch.stack([torch.randperm(PREC_V, generator=g)[:PREC_K] for _ in range(PREC_T)])
+    q[::2, 0] = tokens[::2]  # every other token inside q
+    return dict(
+        logits=(logits + offset).to(PREC_DTYPES[tag]), tokens=tokens, q=q,
+        w_lp=torch.randn(PREC_T, generator=g, dtype=torch.float64),
+        w_q=torch.randn(PREC_T, PREC_K, generator=g, dtype=torch.float64),
+        w_ent=torch.randn(PREC_T, generator=g, dtype=torch.float64),
+    )
+
+
+def precision_checks(group_spec=None) -> dict:
+    """Every entry point on this rank's shard, for each dtype and offset (``None``: TP = 1, no group)."""
+    import torch.distributed as dist
+
+    from emapg_megatron.parallel import (
+        vocab_parallel_logprobs_at, vocab_parallel_policy_terms, vocab_parallel_topk)
+
+    group = None if group_spec is None else _group(group_spec)
+    tp, rank = (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
+    width = PREC_PADDED // tp
+    out = {}
+    for tag in PREC_DTYPES:
+        for offset in PREC_OFFSETS:
+            inp = precision_inputs(offset, tag)
+            shard = inp["logits"][:, rank * width:(rank + 1) * width].contiguous()
+            res = {}
+            res["topk_ids"], res["topk"] = vocab_parallel_topk(shard, PREC_K, vocab_size=PREC_V, group=group)
+            res["at_q"] = vocab_parallel_logprobs_at(shard, inp["q"], group=group, vocab_size=PREC_V)
+            res["at_token"] = vocab_parallel_logprobs_at(shard, inp["tokens"], group=group, vocab_size=PREC_V)
+            for inplace in (False, True):
+                x = shard.clone().requires_grad_(True)
+                terms = vocab_parallel_policy_terms(x, inp["tokens"], inp["q"], group=group, vocab_size=PREC_V,
+                                                    with_entropy=True, inplace_backward=inplace, chunk_size=8)
+                loss = ((inp["w_lp"].float() * terms.logprob).sum() + (inp["w_q"].float() * terms.logprob_topk).sum()
+                        + (inp["w_ent"].float() * terms.entropy).sum())
+                loss.backward()
+                res[f"terms{int(inplace)}"] = dict(
+                    logprob=terms.logprob.detach(), logprob_topk=terms.logprob_topk.detach(),
+                    entropy=terms.entropy.detach(), grad=x.grad)
+            out[f"{tag}/{offset:g}"] = res
+    # Logits far below 0 and a vocabulary that leaves the last rank only padding (at TP 2): that rank's
+    # empty partial must weigh nothing (exp(0 - M) x 0 was inf x 0 = NaN).
+    inp = precision_inputs(-1e4, "fp32")
+    x = inp["logits"][:, rank * width:(rank + 1) * width].contiguous().requires_grad_(True)
+    terms = vocab_parallel_policy_terms(x, inp["tokens"] % PREC_SMALL_V, None, group=group,
+                                        vocab_size=PREC_SMALL_V, with_entropy=True)
+    ((inp["w_lp"].float() * terms.logprob).sum() + (inp["w_ent"].float() * terms.entropy).sum()).backward()
+    out["small_vocab"] = dict(logprob=terms.logprob.detach(), entropy=terms.entropy.detach(), grad=x.grad)
+    return out

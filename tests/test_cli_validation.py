@@ -76,3 +76,38 @@ def test_help_explains_every_flag():
     for action in build_parser()._actions:
         if action.option_strings and action.dest != "help":
             assert action.help, f"{action.option_strings} has no help text"
+
+
+@pytest.mark.parametrize("yaml_text, message", [
+    ("lr: [1, 2]\n", "lr: must be a single value"),
+    ("train-iters: 2.7\n", "train-iters: must be an integer"),
+    ("train-iters: true\n", "train-iters: must be a number"),
+    ('dry-run: "false"\n', "dry-run: must be true or false"),
+    ("kl-tail: bogus\n", "kl-tail: must be one of unbiased, paper, none"),
+    ("kl-iw-clip: 2\n", "kl-iw-clip: must be a list of 2 values"),
+    ("lr: abc\n", "lr: could not convert string to float"),
+])
+def test_yaml_values_get_the_command_line_checks(tmp_path, yaml_text, message):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml_text)
+    r = run_cli("--config", str(cfg), env_world=2)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: --config file") and message in lines[0], r.stderr
+
+
+def test_yaml_values_of_the_right_type_are_taken(tmp_path):
+    from emapg_megatron.arguments import parse_args
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("kl-iw-clip: [0.5, 2]\ntrain-iters: 3\nlr: 1e-5\nbf16: false\nkl-tail: paper\n")
+    args = parse_args(["--config", str(cfg)])
+    assert (args.kl_iw_clip, args.train_iters, args.lr, args.bf16, args.kl_tail) == \
+        ([0.5, 2.0], 3, 1e-5, False, "paper")
+
+
+def test_over_long_prompts_stop_before_any_work():
+    r = run_cli("--max-new-tokens", "6", env_world=2)
+    assert r.returncode == 2
+    assert r.stderr.startswith("error: all 4096 prompts in the built-in synthetic-copy data are longer "
+                               "than --seq-length 8 - --max-new-tokens 6 = 2 tokens")

@@ -6,7 +6,7 @@ import os
 import pytest
 
 from emapg_megatron.tasks import Task, get_task, render_prompt
-from emapg_megatron.tasks.data import BadRowError, load_rows
+from emapg_megatron.tasks.data import BadRowError, DataFileError, MissingColumnError, load_rows
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAMPLES = os.path.join(ROOT, "data", "samples")
@@ -63,8 +63,68 @@ def test_clean_file_loads_without_warning(tmp_path, caplog):
 
 def test_missing_column_everywhere_is_a_config_error(tmp_path):
     path = _jsonl(tmp_path / "d.jsonl", [json.dumps({"q": "x", "a": "1"})] * 3)
-    with pytest.raises(KeyError, match="available columns"):
+    with pytest.raises(KeyError) as e:  # MissingColumnError is a KeyError
         load_rows(path, fields={"question": "question"}, required=("question",))
+    assert isinstance(e.value, MissingColumnError)
+    msg = str(e.value)
+    assert msg == (f"{path}: missing column 'question' (columns found: ['q', 'a']; expected: "
+                   f"['question']); rename the file's columns to the expected names")
+    assert "--field" not in msg  # no such training flag; callers with one pass map_hint
+    with pytest.raises(MissingColumnError, match=r"or map them: --field question=<column>$"):
+        load_rows(path, fields={"question": "question"}, required=("question",),
+                  map_hint="--field {field}=<column>")
+
+
+def test_missing_column_names_the_mapped_field(tmp_path):
+    path = _jsonl(tmp_path / "d.jsonl", [json.dumps({"q": "x"})])
+    with pytest.raises(MissingColumnError) as e:
+        load_rows(path, fields={"question": "q", "ground_truth": "answer"},
+                  required=("question", "ground_truth"))
+    assert e.value.missing == [("ground_truth", "answer")]
+    assert "missing column 'answer' (for field 'ground_truth')" in str(e.value)
+    assert "expected: ['q', 'answer']" in str(e.value)
+
+
+def test_parquet_columns_checked_from_the_schema(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = str(tmp_path / "e.parquet")
+    pq.write_table(pa.table({"q": pa.array([], pa.string())}), path)  # no rows at all
+    with pytest.raises(MissingColumnError, match=r"columns found: \['q'\]"):
+        load_rows(path, fields={"question": "question"}, required=("question",))
+    nested = str(tmp_path / "n.parquet")
+    pq.write_table(pa.Table.from_pylist([{"rm": {"gt": "1"}, "p": "x"}]), nested)
+    ds = load_rows(nested, fields={"question": "p", "ground_truth": "rm.gt"},
+                   required=("question", "ground_truth"))
+    assert ds["ground_truth"] == ["1"]
+    with pytest.raises(MissingColumnError, match="'rm.style'"):
+        load_rows(nested, fields={"question": "p", "ground_truth": "rm.style"},
+                  required=("question", "ground_truth"))
+
+
+@pytest.mark.parametrize("name,content,reason", [
+    ("zero.parquet", b"", "Parquet file size is 0 bytes"),
+    ("d.txt", b"x", "unsupported file type"),
+    ("d.json", b"{\"a\": 1, \"b\": 2}", "expected a JSON list of objects"),
+    ("d.json", b"[1, ", "cannot read"),
+    ("d.jsonl", b"\xff\xfe\n", "cannot read"),
+])
+def test_unreadable_files_raise_data_file_error(tmp_path, name, content, reason):
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(DataFileError) as e:
+        load_rows(str(path), fields={"question": "q"}, required=("question",))
+    assert reason in str(e.value) and str(path) in str(e.value) and "\n" not in str(e.value)
+
+
+def test_empty_json_and_jsonl_have_no_rows(tmp_path):
+    for name in ("e.jsonl", "e.json"):
+        path = tmp_path / name
+        path.write_text("\n" if name.endswith("l") else "")
+        ds, rep = load_rows(str(path), fields={"question": "q"}, required=("question",),
+                            return_report=True)
+        assert len(ds) == 0 and rep[0].total == 0
 
 
 def test_bad_on_bad_row_value(tmp_path):

@@ -9,6 +9,7 @@ Modules, one concern each:
 * :mod:`.sequence`    - sequence-level KL (eq. 10-12), the WARP / InstructGPT baseline
 * :mod:`.divergences` - the f / g generator functions and zero-mass-safe elementwise terms
 * :mod:`.enumeration` - exact expectations over all sampled tokens (test utility)
+* :mod:`.registry`    - the ``--kl-loss-type`` table: family, direction, where q comes from, alpha
 
 Conventions: every function works per token on ``[..., V]`` logits / ``[..., k]`` index sets /
 ``[...]`` per-token values and returns ``[...]``; autograd flows into the policy only (anchor and
@@ -24,14 +25,35 @@ those gathered quantities and reuses the per-token maths unchanged. See ``docs/k
 """
 
 from ._common import check_unique_indices, importance_weight, token_in_topk
-from .divergences import ALL_DIVERGENCES, F_DIVERGENCES, divergence_terms
+from .divergences import ALL_DIVERGENCES, ALPHA_RANGE, F_DIVERGENCES, divergence_terms
 from .exact import KL_DIRECTIONS, exact_kl, kl_terms
 from .fdiv import fdiv_exact, sampled_fdiv, topk_fdiv, topk_fdiv_from_gathered
+from .registry import (
+    LOSS_TYPE_NAMES,
+    LOSS_TYPES,
+    SAMPLED,
+    TOPK_FDIV,
+    TOPK_KL,
+    KLLossType,
+    loss_type,
+    topk_fdiv_type,
+    uses_topk,
+)
 from .sampled import SAMPLED_ESTIMATOR_DIRECTION, SAMPLED_ESTIMATORS, sampled_kl
 from .sequence import sequence_kl, sequence_kl_loss, sequence_kl_penalized_reward
-from .topk import TOPK_TAILS, topk_kl, topk_kl_from_gathered
+from .topk import PAPER_K5_LOG_W_CLAMP, TOPK_TAILS, topk_kl, topk_kl_from_gathered
 
 __all__ = [
+    # the --kl-loss-type registry
+    "KLLossType",
+    "LOSS_TYPES",
+    "LOSS_TYPE_NAMES",
+    "SAMPLED",
+    "TOPK_KL",
+    "TOPK_FDIV",
+    "loss_type",
+    "topk_fdiv_type",
+    "uses_topk",
     # names for CLI choices=
     "SAMPLED_ESTIMATORS",
     "SAMPLED_ESTIMATOR_DIRECTION",
@@ -39,6 +61,8 @@ __all__ = [
     "KL_DIRECTIONS",
     "F_DIVERGENCES",
     "ALL_DIVERGENCES",
+    "ALPHA_RANGE",
+    "PAPER_K5_LOG_W_CLAMP",
     # estimators
     "sampled_kl",
     "topk_kl",

@@ -12,6 +12,8 @@ import torch
 
 __all__ = [
     "IWClip",
+    "LogWRange",
+    "clamp_log_w",
     "compute_dtype",
     "upcast",
     "sg",
@@ -22,6 +24,9 @@ __all__ = [
 ]
 
 IWClip = Optional[Tuple[Optional[float], Optional[float]]]
+#: ``(lo, hi)`` clamp of a log-ratio; ``None`` leaves that side open.
+LogWRange = Tuple[Optional[float], Optional[float]]
+NO_CLAMP: LogWRange = (None, None)
 
 
 def compute_dtype(*tensors: Optional[torch.Tensor]) -> torch.dtype:
@@ -75,6 +80,12 @@ def importance_weight(
             raise ValueError(f"iw_clip lower bound {lo} exceeds upper bound {hi}")
         s = s.clamp(min=lo, max=hi)
     return s
+
+
+def clamp_log_w(log_w: torch.Tensor, bounds: LogWRange) -> torch.Tensor:
+    """``log_w`` clamped to ``bounds = (lo, hi)`` (``torch.clamp``: no gradient flows beyond a bound)."""
+    lo, hi = bounds
+    return log_w if lo is None and hi is None else log_w.clamp(lo, hi)
 
 
 def check_unique_indices(topk_index: torch.Tensor) -> None:

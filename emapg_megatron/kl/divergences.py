@@ -20,21 +20,24 @@ The KL directions are the two f-divergences ``reverse_kl`` (f = t log t, KL(P||Q
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
-from ._common import _check_name
+from ._common import LogWRange, _check_name
 
 __all__ = [
     "F_DIVERGENCES",
     "ALL_DIVERGENCES",
+    "ALPHA_RANGE",
     "check_divergence",
     "f_of_log_t",
     "g_of_log_w",
     "f_at_zero",
     "g_at_zero",
     "divergence_terms",
+    "growth_rates",
+    "log_w_range",
 ]
 
 #: Table 5 f-divergences (besides the two KLs), valid values for ``divergence=``.
@@ -52,13 +55,37 @@ ALL_DIVERGENCES = F_DIVERGENCES + ("reverse_kl", "forward_kl")
 _LOG2 = math.log(2.0)
 
 
+class _Expm1(torch.autograd.Function):
+    """``expm1`` with the gradient ``exp(x)``. torch's own backward uses ``expm1(x) + 1``, which
+    rounds to 0 below x ~ -37 (fp64) / -17 (fp32); the tails multiply that gradient by 1/t, so it
+    would vanish at extreme ratios."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return torch.expm1(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return grad * torch.exp(x)
+
+
+_expm1 = _Expm1.apply
+
+
+#: The valid alpha of the alpha-divergence, in words (for error messages and docs).
+ALPHA_RANGE = "any finite real except 0 and 1 (its limits there are the forward and the reverse KL)"
+
+
 def check_divergence(name: str, alpha: Optional[float]) -> None:
+    """Raise ``ValueError`` unless ``name`` is known and ``alpha`` is given exactly when it is used."""
     _check_name(name, ALL_DIVERGENCES, "divergence")
     if name == "alpha":
         if alpha is None:
-            raise ValueError("divergence='alpha' needs alpha=")
-        if alpha in (0.0, 1.0):
-            raise ValueError("alpha-divergence needs alpha not in {0, 1} (those limits are the KLs)")
+            raise ValueError(f"divergence='alpha' needs alpha=: {ALPHA_RANGE}")
+        if not math.isfinite(alpha) or alpha in (0.0, 1.0):
+            raise ValueError(f"alpha-divergence got alpha={alpha!r}; it needs {ALPHA_RANGE}")
     elif alpha is not None:
         raise ValueError(f"alpha= is only used by divergence='alpha', not {name!r}")
 
@@ -70,18 +97,18 @@ def f_of_log_t(name: str, lt: torch.Tensor, alpha: Optional[float] = None) -> to
     if name == "forward_kl":  # -log t
         return -lt
     if name == "pearson_chi2":  # (t - 1)^2
-        return torch.expm1(lt) ** 2
+        return _expm1(lt) ** 2
     if name == "neyman_chi2":  # (t - 1)^2 / t
-        return torch.expm1(lt) ** 2 * torch.exp(-lt)
+        return _expm1(lt) ** 2 * torch.exp(-lt)
     if name == "squared_hellinger":  # 1/2 (sqrt t - 1)^2
-        return 0.5 * torch.expm1(0.5 * lt) ** 2
+        return 0.5 * _expm1(0.5 * lt) ** 2
     if name == "jensen_shannon":  # 1/2 (t log t - (t + 1) log((t + 1)/2))
         return 0.5 * (torch.exp(lt) * lt - (torch.exp(lt) + 1.0) * (torch.nn.functional.softplus(lt) - _LOG2))
     if name == "total_variation":  # 1/2 |t - 1|
-        return 0.5 * torch.expm1(lt).abs()
+        return 0.5 * _expm1(lt).abs()
     if name == "alpha":  # (t^a - 1 - a (t - 1)) / (a (a - 1))
         a = float(alpha)
-        return (torch.expm1(a * lt) - a * torch.expm1(lt)) / (a * (a - 1.0))
+        return (_expm1(a * lt) - a * _expm1(lt)) / (a * (a - 1.0))
     raise ValueError(f"unknown divergence {name!r}")
 
 
@@ -92,19 +119,19 @@ def g_of_log_w(name: str, lw: torch.Tensor, alpha: Optional[float] = None) -> to
     if name == "forward_kl":  # w log w
         return torch.exp(lw) * lw
     if name == "pearson_chi2":  # (1 - w)^2 / w
-        return torch.expm1(lw) ** 2 * torch.exp(-lw)
+        return _expm1(lw) ** 2 * torch.exp(-lw)
     if name == "neyman_chi2":  # (1 - w)^2
-        return torch.expm1(lw) ** 2
+        return _expm1(lw) ** 2
     if name == "squared_hellinger":  # 1/2 (1 - sqrt w)^2
-        return 0.5 * torch.expm1(0.5 * lw) ** 2
+        return 0.5 * _expm1(0.5 * lw) ** 2
     if name == "jensen_shannon":  # 1/2 [-log w - (1 + w) log((1 + w)/(2w))]
         w = torch.exp(lw)
         return 0.5 * (-lw - (1.0 + w) * (torch.nn.functional.softplus(lw) - _LOG2 - lw))
     if name == "total_variation":  # 1/2 |1 - w|
-        return 0.5 * torch.expm1(lw).abs()
+        return 0.5 * _expm1(lw).abs()
     if name == "alpha":  # (w^(1-a) + (a - 1) w - a) / (a (a - 1))
         a = float(alpha)
-        return (torch.expm1((1.0 - a) * lw) + (a - 1.0) * torch.expm1(lw)) / (a * (a - 1.0))
+        return (_expm1((1.0 - a) * lw) + (a - 1.0) * _expm1(lw)) / (a * (a - 1.0))
     raise ValueError(f"unknown divergence {name!r}")
 
 
@@ -138,6 +165,41 @@ def g_at_zero(name: str, alpha: Optional[float] = None) -> float:
     if name == "alpha":
         return 1.0 / (1.0 - alpha) if alpha < 1 else math.inf
     return table[name]
+
+
+def growth_rates(name: str, alpha: Optional[float] = None) -> Tuple[float, float]:
+    """``(c0, c1)``: Kf++ = r g_f(w) = sg(w) f(1/w) grows like ``e^{c0 |log w|}`` as w -> 0 and
+    like ``e^{c1 log w}`` as w -> inf, up to a factor polynomial in log w. 0 = at most polynomial
+    in log w (never overflows before log w itself does). The K5 tail grows like the forward-KL row.
+    """
+    table = {
+        "reverse_kl": (0.0, 0.0),  # -log w
+        "forward_kl": (0.0, 1.0),  # w log w
+        "pearson_chi2": (1.0, 1.0),  # 1/w, w
+        "neyman_chi2": (0.0, 2.0),  # 1, w^2
+        "squared_hellinger": (0.0, 1.0),  # 1/2, w/2
+        "jensen_shannon": (0.0, 1.0),  # log(2)/2, w log(2)/2
+        "total_variation": (0.0, 1.0),  # 1/2, w/2
+    }
+    if name == "alpha":  # w^(1-a) on one side, w/a on the other
+        return max(0.0, alpha - 1.0), max(1.0, 1.0 - alpha)
+    return table[name]
+
+
+#: e^24 of the dtype's range kept free above the largest tail value: for the log w factor,
+#: 1/(a(a-1)), importance weights and the sum over tokens.
+_HEADROOM = 24.0
+
+
+def log_w_range(name: str, alpha: Optional[float], dtype: torch.dtype) -> LogWRange:
+    """``(lo, hi)``: the log w range in which the Kf++ tail of ``name`` and its gradient stay finite
+    in ``dtype`` with e^24 to spare, ``(log(finfo.max) - 24) / rate`` per side
+    (:func:`growth_rates`); ``None`` for a side that never overflows. For rate 1 that is 64.7 in
+    fp32 and 685.8 in fp64.
+    """
+    room = math.log(torch.finfo(dtype).max) - _HEADROOM
+    c0, c1 = growth_rates(name, alpha)
+    return (-room / c0 if c0 else None, room / c1 if c1 else None)
 
 
 def divergence_terms(

@@ -14,19 +14,20 @@ import torch
 from ._common import _check_name, compute_dtype, upcast
 from .divergences import divergence_terms
 
-__all__ = ["KL_DIRECTIONS", "exact_kl", "kl_terms"]
+__all__ = ["KL_DIRECTIONS", "KL_GENERATOR", "exact_kl", "kl_terms"]
 
 #: Valid ``direction`` values.
 KL_DIRECTIONS = ("reverse", "forward")
 
-_F_NAME = {"reverse": "reverse_kl", "forward": "forward_kl"}
+#: Each direction's f-divergence generator name (:mod:`.divergences`).
+KL_GENERATOR = {"reverse": "reverse_kl", "forward": "forward_kl"}
 
 
 def kl_terms(logprob: torch.Tensor, ref_logprob: torch.Tensor, direction: str) -> torch.Tensor:
     """Elementwise KL contributions: ``pi (log pi - log ref)`` (reverse) or ``ref (log ref - log pi)``
     (forward). Same-shaped log-prob tensors in the compute dtype; zero-mass safe."""
     _check_name(direction, KL_DIRECTIONS, "KL direction")
-    return divergence_terms(logprob, ref_logprob, _F_NAME[direction])
+    return divergence_terms(logprob, ref_logprob, KL_GENERATOR[direction])
 
 
 def exact_kl(logits: torch.Tensor, ref_logprobs_full: torch.Tensor, direction: str) -> torch.Tensor:

@@ -25,6 +25,10 @@ symmetry with :func:`~emapg_megatron.kl.topk.topk_kl`. ``tail="none"`` gives the
 (Note the KL rows differ from K4/K5: ``divergence="reverse_kl"`` uses ``r (-log w)``, not
 ``r sg(-log w)``; it is unbiased but has higher variance than the corrected K4 tail.)
 
+Extreme ratios: the Top-k tail is exact while its value fits the compute dtype with e^24 to
+spare and clamps log w beyond (:func:`~emapg_megatron.kl.divergences.log_w_range`), so values and
+gradients stay finite; :func:`sampled_fdiv` is never clamped. See ``docs/kl_estimators.md``.
+
 Factoring: :func:`topk_fdiv_from_gathered` needs only ``[..., k]`` / ``[...]`` gathered log-probs,
 like :func:`~emapg_megatron.kl.topk.topk_kl_from_gathered`.
 
@@ -41,8 +45,11 @@ from typing import Optional
 import torch
 
 from ._common import (
+    NO_CLAMP,
     IWClip,
+    LogWRange,
     _check_name,
+    clamp_log_w,
     compute_dtype,
     importance_weight,
     upcast,
@@ -52,8 +59,10 @@ from .divergences import (
     F_DIVERGENCES,
     check_divergence,
     divergence_terms,
+    f_of_log_t,
     g_at_zero,
     g_of_log_w,
+    log_w_range,
 )
 from .topk import TOPK_TAILS, gather_topk_inputs
 
@@ -69,18 +78,33 @@ __all__ = [
 
 
 def sampled_fdiv_unweighted(
-    logprob: torch.Tensor, ref_logprob: torch.Tensor, divergence: str, alpha: Optional[float] = None
+    logprob: torch.Tensor,
+    ref_logprob: torch.Tensor,
+    divergence: str,
+    alpha: Optional[float] = None,
+    log_w_clamp: LogWRange = NO_CLAMP,
 ) -> torch.Tensor:
-    """Kf++ = r g_f(w) for one sampled token, without the importance weight (same-dtype inputs)."""
+    """Kf++ for one sampled token, without the importance weight (same-dtype inputs).
+
+    Evaluated as ``r g_f(w)`` where w <= 1 and as the identical ``sg(w) f(1/w)`` (eq. 116) where
+    w > 1, so the ratio inside f or g never exceeds 1 and the gradient, ``f'(1/w) grad log pi(y)``
+    either way, has no cancelling terms. ``log_w_clamp`` clamps log w first (``torch.clamp``: no
+    gradient through w beyond it); the default is no clamp.
+    """
     lp = logprob
     lr = ref_logprob
     ref_zero = lr == -math.inf
     zero = torch.zeros((), dtype=lp.dtype, device=lp.device)
-    lw = torch.where(ref_zero, zero, lr - lp)
+    lw = clamp_log_w(torch.where(ref_zero, zero, lr - lp), log_w_clamp)
+    small = lw <= 0
+    lw_small = torch.where(small, lw, zero)
+    lw_big = torch.where(small, zero, lw)
     r = torch.exp(lp - lp.detach())
-    # ref(y) = 0: the exact limit g_f(0) (may be +inf, e.g. reverse KL / Pearson).
-    g = torch.where(ref_zero, torch.full_like(lw, g_at_zero(divergence, alpha)), g_of_log_w(divergence, lw, alpha))
-    return r * g
+    # ref(y) = 0 (then lw = 0): the exact limit g_f(0), which may be +inf (reverse KL, Pearson).
+    g0 = torch.full_like(lw, g_at_zero(divergence, alpha))
+    via_g = r * torch.where(ref_zero, g0, g_of_log_w(divergence, lw_small, alpha))
+    via_f = torch.exp(lw_big.detach()) * f_of_log_t(divergence, -lw_big, alpha)
+    return torch.where(small, via_g, via_f)
 
 
 def sampled_fdiv(
@@ -130,7 +154,9 @@ def topk_fdiv_from_gathered(
     zero = torch.zeros((), dtype=logprob_token.dtype, device=logprob_token.device)
     lp_y = torch.where(in_tail, logprob_token, zero)
     lr_y = torch.where(in_tail, ref_logprob_token.detach(), zero)
-    tail_est = sampled_fdiv_unweighted(lp_y, lr_y, divergence, alpha)
+    # Exact while the value fits the dtype; saturates beyond (see log_w_range).
+    bounds = log_w_range(divergence, alpha, logprob_token.dtype)
+    tail_est = sampled_fdiv_unweighted(lp_y, lr_y, divergence, alpha, bounds)
     if iw is not None:
         tail_est = iw * tail_est
     return trunc + torch.where(in_tail, tail_est, zero)

@@ -30,7 +30,8 @@ from typing import Optional
 
 import torch
 
-from ._common import IWClip, _check_name, compute_dtype, importance_weight, sg, upcast
+from ._common import (NO_CLAMP, IWClip, LogWRange, _check_name, clamp_log_w, compute_dtype, importance_weight,
+                      sg, upcast)
 
 __all__ = [
     "SAMPLED_ESTIMATORS",
@@ -54,13 +55,17 @@ SAMPLED_ESTIMATOR_DIRECTION = {
 }
 
 
-def sampled_kl_unweighted(logprob: torch.Tensor, ref_logprob: torch.Tensor, estimator: str) -> torch.Tensor:
+def sampled_kl_unweighted(
+    logprob: torch.Tensor, ref_logprob: torch.Tensor, estimator: str, log_w_clamp: LogWRange = NO_CLAMP
+) -> torch.Tensor:
     """The Table 1 expression for one sampled token, without the off-policy weight.
 
-    ``logprob`` and ``ref_logprob`` must already share the compute dtype.
+    ``logprob`` and ``ref_logprob`` must already share the compute dtype. ``log_w_clamp`` clamps
+    log w first (``torch.clamp``: no gradient through w beyond it), as the reference code does
+    in its K5 with (-20, 20); the default is no clamp.
     """
     lp = logprob
-    log_w = ref_logprob - lp
+    log_w = clamp_log_w(ref_logprob - lp, log_w_clamp)
     if estimator == "k1":
         return -log_w
     if estimator == "k2":

@@ -19,8 +19,10 @@ Tail variants (``tail=``, see :data:`TOPK_TAILS`)
     ``-grad m`` (reverse) / ``+grad m`` (forward), which makes the expected gradient exact:
     ``E[value] = KL`` and ``E[grad] = grad KL`` for every 0 <= k <= V.
 ``"paper"``
-    Algorithms 1/2 exactly as printed. The value is unbiased but, for 0 < k < V, the expected
-    gradient is biased:
+    Algorithms 1/2 as the paper's reference code runs them (``compute_memory_efficient_kl``),
+    including its clamp of log w to [-20, 20] inside the forward K5 tail
+    (:data:`PAPER_K5_LOG_W_CLAMP`; its K4 tail has none). Inside the clamp the value is unbiased
+    but, for 0 < k < V, the expected gradient is biased:
 
     * reverse (K4 tail): ``E[grad] = grad KL(pi||ref) + grad m``
     * forward (K5 tail): ``E[grad] = grad KL(ref||pi) - grad m``
@@ -36,6 +38,11 @@ Tail variants (``tail=``, see :data:`TOPK_TAILS`)
 ``"none"``
     Truncated KL: the exact term on q only, no tail and no importance weight. Biased in value and
     gradient (it omits the tail), zero variance; the reference's ``kl_use_tail_sampling=false``.
+
+Extreme ratios: the ``"unbiased"`` tail is exact while its value fits the compute dtype with
+e^24 to spare; beyond that (K5: log w > 64.7 in fp32, > 685.8 in fp64, see
+:func:`~emapg_megatron.kl.divergences.log_w_range`; K4 never overflows) log w is clamped, so
+values and gradients stay finite. See ``docs/kl_estimators.md``.
 
 Special cases: k = 0 (``topk_index`` of shape ``[..., 0]``) gives the sampled estimator (K4 for
 reverse, K5 for forward, times s); k = V gives the exact KL, value and gradient, for every token.
@@ -58,7 +65,9 @@ from typing import Optional
 import torch
 
 from ._common import (
+    NO_CLAMP,
     IWClip,
+    LogWRange,
     _check_name,
     check_unique_indices,
     compute_dtype,
@@ -68,15 +77,29 @@ from ._common import (
     token_in_topk,
     upcast,
 )
-from .exact import KL_DIRECTIONS, kl_terms
+from .divergences import log_w_range
+from .exact import KL_DIRECTIONS, KL_GENERATOR, kl_terms
 from .sampled import sampled_kl_unweighted
 
-__all__ = ["TOPK_TAILS", "topk_kl", "topk_kl_from_gathered"]
+__all__ = ["TOPK_TAILS", "PAPER_K5_LOG_W_CLAMP", "topk_kl", "topk_kl_from_gathered"]
 
-#: Valid ``tail`` values: the corrected estimator, Algorithms 1/2 as printed, truncated KL.
+#: Valid ``tail`` values: the corrected estimator, Algorithms 1/2 as the reference code runs them,
+#: truncated KL.
 TOPK_TAILS = ("unbiased", "paper", "none")
 
+#: The reference code clamps log w to [-20, 20] in its K5 ("numerical stability"), both in the
+#: Top-k forward tail and in its sampled ``k5``; ``tail="paper"`` reproduces it.
+PAPER_K5_LOG_W_CLAMP = (-20.0, 20.0)
+
 _TAIL_ESTIMATOR = {"reverse": "k4", "forward": "k5"}
+
+
+def _tail_log_w_range(direction: str, tail: str, dtype: torch.dtype) -> LogWRange:
+    """The clamp of log w in the K4/K5 tail: the reference code's for ``paper`` (K5 only), the
+    dtype's overflow range for ``unbiased`` (K5 grows like the forward-KL Kf++; K4 needs none)."""
+    if tail == "paper":
+        return PAPER_K5_LOG_W_CLAMP if direction == "forward" else NO_CLAMP
+    return log_w_range(KL_GENERATOR[direction], None, dtype)
 
 
 def topk_kl_from_gathered(
@@ -115,7 +138,8 @@ def topk_kl_from_gathered(
     zero = torch.zeros((), dtype=logprob_token.dtype, device=logprob_token.device)
     lp_y = torch.where(in_tail, logprob_token, zero)
     lr_y = torch.where(in_tail, ref_logprob_token.detach(), zero)
-    tail_est = sampled_kl_unweighted(lp_y, lr_y, _TAIL_ESTIMATOR[direction])
+    bounds = _tail_log_w_range(direction, tail, logprob_token.dtype)
+    tail_est = sampled_kl_unweighted(lp_y, lr_y, _TAIL_ESTIMATOR[direction], bounds)
     if iw is not None:
         tail_est = iw * tail_est
     out = trunc + torch.where(in_tail, tail_est, zero)

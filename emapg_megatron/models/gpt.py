@@ -195,12 +195,39 @@ def transformer_config(cfg: ModelConfig, tp: int, pp: int, prec: PrecisionConfig
     )
 
 
-def layer_spec(cfg: ModelConfig, device_type: str):
+class LocalRMSNorm(torch.nn.RMSNorm):
+    """The local spec's RMSNorm, usable under sequence parallelism.
+
+    Megatron's ``WrappedTorchNorm`` refuses sequence parallelism because a plain torch norm does
+    not mark its weight: under SP each TP rank sees a slice of the sequence, so the weight's
+    gradient is partial, and Megatron's ``finalize_model_grads`` sums it over TP only for weights
+    marked ``sequence_parallel`` (as the TE and Apex norms mark theirs).
+    """
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **unused):
+        super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = config.sequence_parallel
+
+
+def layer_spec(cfg: ModelConfig, device_type: str, tcfg, vp_stage: int | None = None):
+    """TE spec on a GPU with a working Transformer Engine, else the local spec with
+    :class:`LocalRMSNorm` in every norm slot (per layer, q/k and the final norm) for this stage's
+    layers (``tcfg``: the TransformerConfig)."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.transformer_block import (TransformerBlockSubmodules,
+                                                             get_num_layers_to_build)
 
     if use_transformer_engine(device_type):
         return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=cfg.qk_layernorm)
-    return specs.get_gpt_layer_local_spec(qk_layernorm=cfg.qk_layernorm, normalization="RMSNorm")
+    layer = specs.get_gpt_layer_local_spec(qk_layernorm=cfg.qk_layernorm, normalization="RMSNorm")
+    sub = layer.submodules
+    sub.input_layernorm = sub.pre_mlp_layernorm = LocalRMSNorm
+    attn = sub.self_attention.submodules
+    if attn.q_layernorm is not IdentityOp:
+        attn.q_layernorm = attn.k_layernorm = LocalRMSNorm
+    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(tcfg, vp_stage=vp_stage),
+                                      layer_norm=LocalRMSNorm)
 
 
 def build_gpt_model(cfg: ModelConfig, *, tp: int = 1, pp: int = 1, pre_process: bool = True,
@@ -221,7 +248,7 @@ def build_gpt_model(cfg: ModelConfig, *, tp: int = 1, pp: int = 1, pre_process: 
                               sequence_parallel=sequence_parallel)
     model = GPTModel(
         config=tcfg,
-        transformer_layer_spec=layer_spec(cfg, device_type),
+        transformer_layer_spec=layer_spec(cfg, device_type, tcfg, vp_stage),
         vocab_size=cfg.padded_vocab_size(tp),
         max_sequence_length=cfg.max_position_embeddings,
         pre_process=pre_process,

@@ -1,8 +1,9 @@
 """Estimator wiring: per-token KL / f-divergence from :class:`~.policy_terms.PolicyTerms`.
 
-The maths is the single-device library's (:mod:`emapg_megatron.kl`) ``*_from_gathered`` and
-:func:`~emapg_megatron.kl.sampled_kl`, run as plain autograd on ``[..., k]`` / ``[...]`` tensors; the
-vocab-parallel op supplies the gathered log-probs. No distributed code and no RL here.
+The loss type comes from the registry (:mod:`emapg_megatron.kl.registry`); its estimator, the
+single-device library's ``*_from_gathered`` or :func:`~emapg_megatron.kl.sampled_kl`, runs as plain
+autograd on ``[..., k]`` / ``[...]`` tensors that the vocab-parallel op gathered. No distributed
+code and no RL here.
 """
 
 from __future__ import annotations
@@ -13,26 +14,29 @@ import torch
 
 from emapg_megatron.kl import (
     ALL_DIVERGENCES,
-    SAMPLED_ESTIMATORS,
+    LOSS_TYPE_NAMES,
+    LOSS_TYPES,
+    SAMPLED,
+    TOPK_KL,
     TOPK_TAILS,
+    KLLossType,
     check_unique_indices,
     importance_weight,
-    sampled_kl,
+    loss_type,
     token_in_topk,
-    topk_fdiv_from_gathered,
-    topk_kl_from_gathered,
+    topk_fdiv_type,
 )
-from emapg_megatron.kl._common import IWClip, compute_dtype, upcast
+from emapg_megatron.kl._common import IWClip, _check_name, compute_dtype, upcast
 
 from .policy_terms import PolicyTerms
 
 __all__ = ["TOPK_KL_KINDS", "KL_KINDS", "kl_from_policy_terms"]
 
-#: Top-k KL in either direction (Algorithms 1/2), with a ``tail`` from :data:`~emapg_megatron.kl.TOPK_TAILS`.
-TOPK_KL_KINDS = {"topk-reverse": "reverse", "topk-forward": "forward"}
-#: Every ``kind`` :func:`kl_from_policy_terms` accepts (for CLI ``choices=``): the sampled
-#: estimators, the two Top-k KLs and the Top-k f-divergences.
-KL_KINDS = tuple(SAMPLED_ESTIMATORS) + tuple(TOPK_KL_KINDS) + tuple(ALL_DIVERGENCES)
+#: The Top-k KL names and their directions (derived from the registry).
+TOPK_KL_KINDS = {name: t.selector for name, t in LOSS_TYPES.items() if t.family == TOPK_KL}
+#: Every ``kind`` :func:`kl_from_policy_terms` accepts: the registry names (the CLI choices,
+#: ``emapg_megatron.kl.LOSS_TYPE_NAMES``) and the bare generator names of the Top-k f-divergence.
+KL_KINDS = LOSS_TYPE_NAMES + ALL_DIVERGENCES
 
 
 def kl_from_policy_terms(
@@ -51,40 +55,47 @@ def kl_from_policy_terms(
 ) -> torch.Tensor:
     """Per-token divergence estimate ``[...]``, differentiable through ``terms``.
 
-    ``kind``: ``k1``..``k5``/``k3++`` (sampled, from ``terms.logprob`` only; ``tail`` unused),
-    ``topk-reverse`` / ``topk-forward`` (Top-k KL, q from pi_old / the anchor) or an f-divergence
-    name from :data:`~emapg_megatron.kl.ALL_DIVERGENCES` (Top-k f-divergence; ``alpha`` for
-    ``"alpha"``). Arguments are those of :func:`emapg_megatron.kl.topk_kl`; the result equals it
-    on the gathered logits. ``loss_mask`` zeroes masked tokens (whose inputs may be padding) and
-    restricts the duplicate-id check on q to the unmasked ones.
+    ``kind``: a registry name (``emapg_megatron.kl.LOSS_TYPE_NAMES``: ``k1``..``k5``/``k3++``
+    from ``terms.logprob`` only, ``tail`` unused; ``topk-reverse`` / ``topk-forward``;
+    ``topk-<f>`` for the f-divergences, ``alpha`` required for ``topk-alpha`` only). A bare
+    generator name from ``ALL_DIVERGENCES`` means :func:`~emapg_megatron.kl.topk_fdiv_type` of it
+    (not a CLI choice). Arguments are those of :func:`emapg_megatron.kl.topk_kl`; the result
+    equals it on the gathered logits. ``topk_index``, ``terms.logprob_topk`` and
+    ``ref_logprob_topk`` all ``None`` means k = 0 (the Top-k loss is its sampled tail alone).
+    ``loss_mask`` zeroes masked tokens (whose inputs may be padding) and restricts the
+    duplicate-id check on q to the unmasked ones.
     """
-    if kind not in KL_KINDS:
-        raise ValueError(f"unknown KL kind {kind!r}; expected one of {KL_KINDS}")
+    entry = topk_fdiv_type(kind) if kind in ALL_DIVERGENCES else loss_type(kind)
+    kwargs = entry.kwargs(alpha)
     valid = None if loss_mask is None else loss_mask.to(torch.bool)
     ref_y = _masked(ref_logprob_token, valid)
     samp = None if sampling_logprob is None else _masked(sampling_logprob, valid)
-    if kind in SAMPLED_ESTIMATORS:
-        out = sampled_kl(terms.logprob, ref_y, kind, sampling_logprob=samp, iw_clip=iw_clip)
+    if entry.family == SAMPLED:
+        out = entry.estimator(terms.logprob, ref_y, sampling_logprob=samp, iw_clip=iw_clip, **kwargs)
         return _masked(out, valid)
-    if tail not in TOPK_TAILS:
-        raise ValueError(f"unknown Top-k tail {tail!r}; expected one of {TOPK_TAILS}")
-    if topk_index is None or terms.logprob_topk is None or ref_logprob_topk is None:
-        raise ValueError(f"KL kind {kind!r} needs topk_index, terms.logprob_topk and ref_logprob_topk")
-    check_unique_indices(topk_index if valid is None else topk_index[valid])
+    _check_name(tail, TOPK_TAILS, "Top-k tail")
     dt = compute_dtype(terms.logprob, ref_logprob_topk, ref_logprob_token, sampling_logprob)
     lp_y = upcast(terms.logprob, dt)
-    lp_q = upcast(terms.logprob_topk, dt)
-    ref_q = upcast(_masked(ref_logprob_topk, valid), dt)
-    ref_y = upcast(ref_y, dt)
+    q, lp_q, ref_q = _index_set(entry, terms, tokens, topk_index, ref_logprob_topk, valid, dt)
     iw = None
     if tail != "none" and (samp is not None or iw_clip is not None):
         iw = importance_weight(lp_y, upcast(samp, dt), iw_clip)
-    in_q = token_in_topk(tokens, topk_index)
-    if kind in TOPK_KL_KINDS:
-        out = topk_kl_from_gathered(lp_q, lp_y, ref_q, ref_y, in_q, direction=TOPK_KL_KINDS[kind], tail=tail, iw=iw)
-    else:
-        out = topk_fdiv_from_gathered(lp_q, lp_y, ref_q, ref_y, in_q, divergence=kind, alpha=alpha, tail=tail, iw=iw)
+    out = entry.estimator(lp_q, lp_y, ref_q, upcast(ref_y, dt), token_in_topk(tokens, q), tail=tail, iw=iw,
+                          **kwargs)
     return _masked(out, valid)
+
+
+def _index_set(entry: KLLossType, terms, tokens, topk_index, ref_logprob_topk, valid, dt) -> tuple:
+    """``(q, log pi(q), log ref(q))`` in the compute dtype; empty ``[..., 0]`` ones for k = 0."""
+    given = [x is not None for x in (topk_index, terms.logprob_topk, ref_logprob_topk)]
+    if not any(given):
+        empty = terms.logprob.new_zeros(terms.logprob.shape + (0,), dtype=dt)
+        return tokens.new_zeros(tokens.shape + (0,)), empty, empty
+    if not all(given):
+        raise ValueError(f"KL kind {entry.name!r} needs topk_index, terms.logprob_topk and ref_logprob_topk "
+                         "(all three, or none of them for k = 0)")
+    check_unique_indices(topk_index if valid is None else topk_index[valid])
+    return topk_index, upcast(terms.logprob_topk, dt), upcast(_masked(ref_logprob_topk, valid), dt)
 
 
 def _masked(x: torch.Tensor, valid: Optional[torch.Tensor]) -> torch.Tensor:

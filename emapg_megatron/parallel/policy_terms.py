@@ -16,13 +16,15 @@ Every gradient term is local to the shard that owns the column::
 
 so backward needs p_v on its own shard (the dense term), the upstream gradients of the k + 1 picked
 log-probs (a ``scatter_add_`` of ``g`` at owned columns: duplicate ids add up correctly) and the
-per-token ``lse``, ``H``. Two ways to have p backward, both saving one ``[T, V/TP]`` row per token
-in the logits' dtype:
+per-token log-normaliser and ``H``. Two ways to have p backward, both saving one ``[T, V/TP]`` row per
+token in the logits' dtype:
 
 * ``inplace_backward=False`` (default): save the logits (a reference, no copy) and recompute
-  ``p = exp(z - lse)`` per chunk in fp32.
+  ``p = exp((z - M) - lse_M)`` per chunk in fp32, with the global max ``M`` and ``lse_M`` relative to
+  it (two saved floats per token): never ``z - lse`` with the absolute lse, whose fp32 rounding
+  grows with the logits (~5e-4 at 1e4) and would scale every p by ``1 + 5e-4``.
 * ``inplace_backward=True``: overwrite the logits in forward with ``e = exp(z - local max)`` (in
-  their dtype; ``p = e exp(local max - lse)``, the factor is one saved float per token) and ``e``
+  their dtype; ``p = e exp(local max - M - lse_M)``, the factor is one saved float per token) and ``e``
   with the gradient in backward, like Megatron's cross-entropy: no recompute, and backward is one
   multiply per element. The caller must not use the logits afterwards, and the graph can be
   backpropagated once. When ``e`` is stored in bf16 the columns of the k + 1 picked ids are
@@ -48,8 +50,8 @@ from .vocab_parallel import (
     forward_pass,
     iter_chunks,
     owned_columns,
+    probs_scale,
     put_rows,
-    row_shift,
     take_rows,
     vocab_shard,
 )
@@ -113,8 +115,11 @@ class _PolicyTermsFn(torch.autograd.Function):
         exact = res.logprob if write and logits2d.dtype != compute_dtype(logits2d) else None
         ctx.plan, ctx.logits_shape, ctx.write, ctx.used = plan, logits.shape, write, False
         # Save the input itself, not a view of it: a view made under no_grad cannot be saved.
-        ctx.save_for_backward(logits, ids_sel, valid, res.lse, res.entropy, exact,
-                              res.local_max if write else None)
+        # p backward, relative to the global max M (never via the absolute lse, whose rounding grows with
+        # the logits): recompute needs (M, lse_M); the stored e = exp(z - m_r) needs exp(m_r - M - lse_M).
+        scale = probs_scale(res.local_max, res.shift, res.lse_rel) if write else None
+        ctx.save_for_backward(logits, ids_sel, valid, None if write else res.shift, None if write else res.lse_rel,
+                              res.entropy, exact, scale)
         ctx.set_materialize_grads(False)
         if ent is None:
             ent = torch.empty(0, dtype=res.lse.dtype, device=res.lse.device)
@@ -126,7 +131,7 @@ class _PolicyTermsFn(torch.autograd.Function):
         if ctx.write and ctx.used:
             raise RuntimeError("inplace_backward=True overwrote its saved state: backward runs once")
         ctx.used = True
-        logits, ids, valid, lse, ent, exact, local_max = ctx.saved_tensors
+        logits, ids, valid, shift, lse, ent, exact, scale = ctx.saved_tensors
         if g_lp is None and g_ent is None:
             return None, None, None, None
         logits2d = logits.view(-1, sh.width)
@@ -139,14 +144,13 @@ class _PolicyTermsFn(torch.autograd.Function):
         if sh.n_real == 0:
             return grad2d.view(ctx.logits_shape), None, None, None
         # Per selected row, all at once: upstream gradients, the dense coefficients, the sparse part.
-        cdt = lse.dtype
-        g = torch.zeros(ids.shape, dtype=cdt, device=lse.device) if g_lp is None else _select(g_lp, row_index).to(cdt)
+        cdt = compute_dtype(logits2d)
+        g = torch.zeros(ids.shape, dtype=cdt, device=ids.device) if g_lp is None else _select(g_lp, row_index).to(cdt)
         g = torch.where(ids >= sh.vocab_size, torch.zeros_like(g), g)  # -inf outputs: no gradient
         big_g = g.sum(dim=-1)
         g_h = None if g_ent is None else _select(g_ent, row_index).to(cdt)
         lid, owned = owned_columns(ids, sh)
         sparse = torch.where(owned, g, torch.zeros_like(g))
-        scale = None if local_max is None else torch.exp(row_shift(local_max) - lse)  # p = stored e x scale
         fix = None
         if exact is not None:
             fix = (owned & _first_occurrence(ids), _dense_term(exact.exp(), big_g, g_h, ent))
@@ -158,8 +162,8 @@ class _PolicyTermsFn(torch.autograd.Function):
                 w = src if shared else src.to(cdt)  # exp(z - local max)
                 w = _dense_from_probs(w, scale[sel], big_g[sel], _rows(g_h, sel), _rows(ent, sel))
             else:
-                w = _dense_recompute(src, real_out[rows] if shared else None, lse[sel], big_g[sel],
-                                     _rows(g_h, sel), _rows(ent, sel))
+                w = _dense_recompute(src, real_out[rows] if shared else None, _rows(shift, sel), _rows(lse, sel),
+                                     big_g[sel], _rows(g_h, sel), _rows(ent, sel))
             add = sparse[sel]
             if fix is not None:  # overwrite the dense term of the picked columns by its fp32 value
                 first, dense = fix
@@ -195,15 +199,21 @@ def _dense_from_probs(e, scale, big_g, g_h, ent):
     return p.mul_(-(big_g.unsqueeze(-1) + g_h * ent)).sub_(plogp.mul_(g_h))
 
 
-def _dense_recompute(z, out, lse, big_g, g_h, ent):
+def _dense_recompute(z, out, shift, lse, big_g, g_h, ent):
     """The dense term recomputed from logits ``z`` (written into ``out`` when given, else a private
-    copy in the compute dtype)."""
-    lse = lse.unsqueeze(-1)
-    w = torch.sub(z, lse, out=out) if out is not None else z.to(lse.dtype).sub_(lse)  # log p
+    copy in the compute dtype); ``shift``, ``lse``, ``g_h``, ``ent`` are ``[r, 1]``.
+
+    ``log p = w - lse`` with ``w = z - M`` (one rounding of a small number); ``lse`` stays out of the
+    elementwise work: ``p = exp(w) exp(-lse)``, and ``exp(-lse)`` joins the per-row constants, so the
+    pass count is that of ``exp(z - lse)``.
+    """
+    w = torch.sub(z, shift, out=out) if out is not None else z.to(shift.dtype).sub_(shift)
+    inv = torch.exp(-lse)
     if g_h is None:
-        return w.exp_().mul_(-big_g.unsqueeze(-1))
-    p = w.exp()
-    return w.mul_(-g_h).sub_(big_g.unsqueeze(-1) + g_h * ent).mul_(p)
+        return w.exp_().mul_(-big_g.unsqueeze(-1) * inv)
+    # -p (G + g_H (log p + H)) = -exp(w) exp(-lse) (g_H w + G + g_H (H - lse))
+    e = w.exp()
+    return w.mul_(-g_h * inv).sub_((big_g.unsqueeze(-1) + g_h * (ent - lse)) * inv).mul_(e)
 
 
 def vocab_parallel_policy_terms(

@@ -14,9 +14,16 @@ on its own, so no fp32 copy of the whole shard is ever made.
 One collective per pass (so at most one per chunk): each rank packs, for every token, its local
 (max, sum-exp[, sum-exp x logit]) and its picked logits (zero where it does not own the id) into
 one buffer, chunk by chunk, and all-gathers it once; every rank then combines the per-rank partials
-online (``lse = M + log sum_r s_r exp(m_r - M)``, picked logits summed over ranks, since exactly one
-rank owns each id). Top-k packs its per-rank candidates (values and global ids, bit-cast into the
-same float buffer) into that one collective as well. The buffer is O(TP (k + 3)) per token.
+online (``lse_M = log sum_r s_r exp(m_r - M)`` relative to the global max ``M``, picked logits summed
+over ranks, since exactly one rank owns each id). Top-k packs its per-rank candidates (values and
+global ids, bit-cast into the same float buffer) into that one collective as well. The buffer is
+O(TP (k + 3)) per token.
+
+Offset invariance: adding c to every logit changes no probability, and nothing here loses accuracy
+with c. Every output is formed from quantities relative to ``M`` (``log p = (z - M) - lse_M``, the
+entropy from ``m_r - M``, backward's ``p = exp((z - M) - lse_M)``); the absolute ``M + lse_M`` is
+only ever returned (``vocab_parallel_logsumexp``), never subtracted, since in fp32 its rounding
+(~5e-4 at 1e4) would land in every log-prob.
 
 No RL here; the differentiable fused op lives in :mod:`.policy_terms`.
 """
@@ -171,7 +178,12 @@ def all_gather_rows(buf: torch.Tensor, sh: VocabShard, group) -> torch.Tensor:
 
 
 class Combined(NamedTuple):
-    lse: torch.Tensor  # [r] global log-normaliser
+    """The merged partials, every one relative to ``shift``, the global max: ``lse`` and ``picked - shift``
+    are O(log V) however large the logits are, so subtracting them loses nothing (an absolute
+    ``lse`` ~ 1e4 carries an fp32 rounding of ~5e-4 into every log-prob)."""
+
+    shift: torch.Tensor  # [r] global max (0 where no finite logit)
+    lse: torch.Tensor  # [r] log sum_v exp(z_v - shift)
     picked: torch.Tensor  # [r, n] global logits at the requested ids (0 for padding ids)
     entropy: Optional[torch.Tensor]  # [r]
 
@@ -179,18 +191,37 @@ class Combined(NamedTuple):
 def combine(stats: torch.Tensor, n_picked: int, entropy: bool) -> Combined:
     """Merge per-rank partials ``[TP, r, W]`` (columns m, s, [a], picked) online."""
     m, s = stats[..., 0], stats[..., 1]
-    big_m = m.amax(dim=0)
-    shift = row_shift(m)
-    mass = torch.exp(shift - big_m) * s  # [TP, r]; ranks without mass have s = 0
-    lse = big_m + mass.sum(dim=0).log()
+    shift = row_shift(m.amax(dim=0))
+    # m_r - M: one rounding of a small number (exact, by Sterbenz, once the logits are large); -inf
+    # for a rank without a finite logit, so its s_r = 0 weighs nothing (exp(0 - M) would overflow
+    # for M << 0 and give inf x 0).
+    rel = m - shift
+    lse = (torch.exp(rel) * s).sum(dim=0).log()
     off = 3 if entropy else 2
-    picked = stats[..., off:off + n_picked].sum(dim=0)
-    ent = None
-    if entropy:
-        # H = lse - sum_v p_v z_v = sum_r exp(shift_r - lse) [s_r (lse - shift_r) - a_r]
-        term = torch.exp(shift - lse) * (s * (lse - shift) - stats[..., 2])
-        ent = torch.where(s > 0, term, torch.zeros_like(term)).sum(dim=0)
-    return Combined(lse, picked, ent)
+    picked = stats[..., off:off + n_picked].sum(dim=0)  # one owner per id: the others add 0
+    ent = entropy_from_partials(rel, s, stats[..., 2], lse) if entropy else None
+    return Combined(shift, lse, picked, ent)
+
+
+def entropy_from_partials(rel: torch.Tensor, s: torch.Tensor, a: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """``H = -sum_v p_v log p_v`` from per-rank ``(m_r - M, s_r, a_r)`` and ``lse`` (relative to M).
+
+    ``log p_v = x_v + (m_r - M) - lse`` with ``x_v = z_v - m_r``, so
+    ``H = sum_r exp(m_r - M - lse) [s_r (lse - (m_r - M)) - a_r]``: small numbers only.
+    """
+    term = torch.exp(rel - lse) * (s * (lse - rel) - a)
+    return torch.where(s > 0, term, torch.zeros_like(term)).sum(dim=0)
+
+
+def relative_logprobs(values: torch.Tensor, shift: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """``log p = (z - M) - lse_M``: ``z`` and ``M`` are exact input values, so ``z - M`` is one
+    rounding of a small number, as in Megatron's cross-entropy (``z - (M + lse_M)`` is not)."""
+    return (values - shift.unsqueeze(-1)) - lse.unsqueeze(-1)
+
+
+def probs_scale(local_max: torch.Tensor, shift: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """``exp(m_r - M - lse_M)``: the factor from ``exp(z - m_r)`` to ``p`` (0 where ``m_r = -inf``)."""
+    return torch.exp((local_max - shift) - lse)
 
 
 def gather_picked(work: torch.Tensor, lid: torch.Tensor, owned: torch.Tensor) -> torch.Tensor:
@@ -202,13 +233,19 @@ def gather_picked(work: torch.Tensor, lid: torch.Tensor, owned: torch.Tensor) ->
 
 
 class ForwardResult(NamedTuple):
-    """Per selected row: the global log-normaliser, the log-probs at the ids (-inf at padding ids),
-    the entropy and this rank's max (the shift of the stored ``exp(z - shift)``)."""
+    """Per selected row: the global max and the log-normaliser relative to it, the log-probs at the
+    ids (-inf at padding ids), the entropy and this rank's max (the shift of the stored ``exp(z - shift)``)."""
 
-    lse: torch.Tensor  # [R]
+    shift: torch.Tensor  # [R] global max M (0 where no finite logit)
+    lse_rel: torch.Tensor  # [R] log sum_v exp(z_v - M)
     logprob: torch.Tensor  # [R, n]
     entropy: Optional[torch.Tensor]  # [R]
     local_max: torch.Tensor  # [R]
+
+    @property
+    def lse(self) -> torch.Tensor:
+        """The absolute log-normaliser (its rounding grows with the logits: not for differences)."""
+        return self.shift + self.lse_rel
 
 
 def forward_pass(
@@ -253,10 +290,10 @@ def forward_pass(
         if write_exp and private and sh.n_real > 0:
             put_rows(real, rows, st.e)
     comb = combine(all_gather_rows(buf, sh, group), n, entropy)
-    lp = comb.picked - comb.lse.unsqueeze(-1)
+    lp = relative_logprobs(comb.picked, comb.shift, comb.lse)
     if n:
         lp = torch.where(ids2d >= sh.vocab_size, torch.full_like(lp, -float("inf")), lp)
-    return ForwardResult(comb.lse, lp, comb.entropy, buf[:, 0].clone())
+    return ForwardResult(comb.shift, comb.lse, lp, comb.entropy, buf[:, 0].clone())
 
 
 def check_ids(ids: torch.Tensor, upper: int, what: str, valid: Optional[torch.Tensor] = None) -> None:
@@ -361,12 +398,12 @@ def vocab_parallel_topk(
         st = local_stats(work, clobber=real.dtype != cdt, entropy=False)  # clobber a cast copy only
         buf[sel, 0], buf[sel, 1] = st.m, st.s
     stats = all_gather_rows(buf, sh, group)  # [TP, N, 2 + 2 kc]
-    lse = combine(stats[..., :2], 0, False).lse
+    comb = combine(stats[..., :2], 0, False)
     all_v = stats[..., 2:2 + kc].permute(1, 0, 2).reshape(n_rows, sh.tp * kc)
     all_i = stats[..., 2 + kc:].view(int_dt).permute(1, 0, 2).reshape(n_rows, sh.tp * kc)
     # Fillers rank below every real logit, real -inf logits included.
     key = torch.where(all_i >= 0, all_v.clamp(min=torch.finfo(cdt).min), torch.full_like(all_v, -float("inf")))
     top = key.topk(k, dim=-1).indices
     out_ids = all_i.gather(-1, top).long()
-    out_lp = all_v.gather(-1, top) - lse.unsqueeze(-1)
+    out_lp = relative_logprobs(all_v.gather(-1, top), comb.shift, comb.lse)  # candidates are raw logits
     return out_ids.view(lead + (k,)), out_lp.view(lead + (k,))

@@ -43,6 +43,7 @@ __all__ = [
     "Environment",
     "Task",
     "encode_text",
+    "encode_many",
     "build_token_ids_and_mask",
     "render_prompt",
     "ROLE_PROMPT",
@@ -78,6 +79,36 @@ def encode_text(tokenizer: Any, text: str) -> list[int]:
     except TypeError:
         ids = tokenizer.encode(text)
     return [int(i) for i in ids]
+
+
+def encode_many(tokenizer: Any, texts: Sequence[str], *, batch_size: int = 1024) -> list[list[int]]:
+    """``[encode_text(tokenizer, t) for t in texts]``, batched when the tokenizer allows it.
+
+    A Hugging Face *fast* tokenizer encodes a list in one call (``tokenizer(batch,
+    add_special_tokens=False)``: the same ids as ``encode(text, add_special_tokens=False)``);
+    any other tokenizer is called once per text through :func:`encode_text`. Batches run with
+    the ``tokenizers`` thread pool off unless ``TOKENIZERS_PARALLELISM`` is set, so that a later
+    fork (worker pools, ``subprocess``) prints no "process just got forked" warning.
+    """
+    texts = list(texts)
+    if not (getattr(tokenizer, "is_fast", False) is True and callable(tokenizer)):
+        return [encode_text(tokenizer, t) for t in texts]
+    import os
+
+    out: list[list[int]] = []
+    unset = "TOKENIZERS_PARALLELISM" not in os.environ
+    if unset:
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        for start in range(0, len(texts), batch_size):
+            chunk = texts[start:start + batch_size]
+            ids = tokenizer(chunk, add_special_tokens=False, return_attention_mask=False,
+                            return_token_type_ids=False)["input_ids"]
+            out.extend([int(i) for i in row] if text else [] for row, text in zip(ids, chunk))
+    finally:
+        if unset:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+    return out
 
 
 def _has_chat_template(tokenizer: Any) -> bool:
@@ -210,11 +241,18 @@ class Task(abc.ABC):
     required_fields: tuple[str, ...] = ()
     #: default mapping canonical field -> column in the files (dotted paths reach nested fields)
     default_fields: Mapping[str, str] = {}
+    #: multi-turn tasks: token budget of one model turn (``Environment.max_turn_tokens``); the
+    #: sampler falls back to ``max_new_tokens`` when it is None. A prompt must leave room for one
+    #: full first turn within the sequence length.
+    max_turn_tokens: Optional[int] = None
 
     # ----- data -----------------------------------------------------------------------------
     def load(self, path: str, *, fields: Optional[Mapping[str, str]] = None,
-             on_bad_row: str = "skip", limit: Optional[int] = None):
-        """Load a local parquet/jsonl file into a ``datasets.Dataset`` with canonical fields."""
+             on_bad_row: str = "skip", limit: Optional[int] = None, **load_kwargs: Any):
+        """Load a local parquet/jsonl file into a ``datasets.Dataset`` with canonical fields.
+
+        ``load_kwargs`` go to :func:`.data.load_rows` (``return_report``, ``map_hint``, ``warn``).
+        """
         from .data import load_rows
 
         mapping = dict(self.default_fields)
@@ -226,11 +264,16 @@ class Task(abc.ABC):
             on_bad_row=on_bad_row,
             normalize=self.normalize_row,
             limit=limit,
+            **load_kwargs,
         )
 
     def normalize_row(self, row: dict) -> dict:
         """Coerce the canonical fields of one row (raise ValueError for a bad row)."""
         return row
+
+    def builtin_rows(self) -> Optional[list]:
+        """Rows the task carries itself (no data file), or None when it reads ``--data-path``."""
+        return None
 
     # ----- prompts ----------------------------------------------------------------------------
     @abc.abstractmethod

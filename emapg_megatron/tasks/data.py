@@ -14,6 +14,10 @@ skipped and a warning names their indices and the count; with ``on_bad_row="erro
 fails with :class:`BadRowError` listing them. The index is the 0-based row number in the file
 (for jsonl: the 0-based line number, blank lines included). Every loaded row keeps it in the
 ``_index`` column.
+
+Configuration errors are not bad rows: a file that cannot be read raises :class:`DataFileError`,
+and a required column that no row has (for parquet: that the schema lacks, so an empty parquet is
+checked too) raises :class:`MissingColumnError` naming the columns found and the ones expected.
 """
 from __future__ import annotations
 
@@ -25,7 +29,8 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BadRowError", "LoadReport", "load_rows", "read_records", "get_field", "INDEX_COLUMN"]
+__all__ = ["BadRowError", "DataFileError", "MissingColumnError", "LoadReport", "load_rows",
+           "read_records", "get_field", "INDEX_COLUMN"]
 
 INDEX_COLUMN = "_index"
 _MISSING = object()
@@ -38,6 +43,44 @@ class BadRowError(ValueError):
         self.path = path
         self.bad = bad
         super().__init__(f"{len(bad)} bad row(s) in {path}: {_format_bad(bad)}")
+
+
+class DataFileError(ValueError):
+    """A data file that cannot be read at all (unsupported type, corrupt, not UTF-8, ...)."""
+
+    def __init__(self, path: str, reason: str):
+        self.path = path
+        self.reason = reason
+        super().__init__(f"cannot read {path}: {reason}")
+
+
+class MissingColumnError(KeyError):
+    """Required columns that the file does not have (a configuration error, not bad data).
+
+    A ``KeyError`` for backward compatibility, but ``str()`` is the plain one-line message.
+    ``missing``: ``(canonical field, column)`` pairs; ``found``: the file's columns;
+    ``expected``: the columns of all required fields.
+    """
+
+    def __init__(self, path: str, missing: list[tuple[str, str]], found: Sequence[str],
+                 expected: Sequence[str], hint: Optional[str] = None):
+        self.path = path
+        self.missing = list(missing)
+        self.found = list(found)
+        self.expected = list(expected)
+        cols = ", ".join(repr(col) if col == name else f"{col!r} (for field {name!r})"
+                         for name, col in self.missing)
+        noun = "column" if len(self.missing) == 1 else "columns"
+        msg = (f"{path}: missing {noun} {cols} (columns found: {self.found}; expected: "
+               f"{self.expected}); rename the file's columns to the expected names")
+        if hint:
+            msg += " or map them: " + " ".join(hint.format(field=name, column=col)
+                                               for name, col in self.missing)
+        super().__init__(msg)
+        self.message = msg
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return self.message
 
 
 @dataclass
@@ -60,40 +103,92 @@ def _format_bad(bad: list[tuple[int, str]], limit: int = 20) -> str:
 
 
 def read_records(path: str) -> list[Union[dict, Exception]]:
-    """Raw records of a file, one per row; an unparsable jsonl line is returned as an Exception."""
-    lower = path.lower()
-    if lower.endswith(".parquet"):
-        import pyarrow.parquet as pq
+    """Raw records of a file, one per row; an unparsable jsonl line is returned as an Exception.
 
-        return pq.read_table(path).to_pylist()
-    if lower.endswith(".jsonl") or lower.endswith(".ndjson"):
-        out: list[Union[dict, Exception]] = []
-        with open(path, "r", encoding="utf-8") as f:
-            for line in f:
-                line = line.strip()
-                if not line:
-                    out.append(ValueError("blank line"))
-                    continue
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as e:
-                    out.append(ValueError(f"invalid JSON: {e.msg}"))
-                    continue
-                out.append(rec if isinstance(rec, dict) else ValueError("not a JSON object"))
-        # a trailing newline does not make a row
-        while out and isinstance(out[-1], ValueError) and str(out[-1]) == "blank line":
-            out.pop()
-        return out
-    if lower.endswith(".json"):
-        with open(path, "r", encoding="utf-8") as f:
-            data = json.load(f)
-        if isinstance(data, dict):  # {"data": [...]} or column dict
-            if len(data) == 1 and isinstance(next(iter(data.values())), list):
-                data = next(iter(data.values()))
-            else:
-                raise ValueError(f"{path}: expected a JSON list of objects")
-        return [r if isinstance(r, dict) else ValueError("not a JSON object") for r in data]
-    raise ValueError(f"unsupported data file {path!r}: use .parquet, .jsonl or .json")
+    Raises :class:`DataFileError` when the file cannot be read at all.
+    """
+    return _read(path)[0]
+
+
+def _read(path: str) -> tuple[list[Union[dict, Exception]], Optional[Any]]:
+    """(records, pyarrow schema for parquet files else None)."""
+    lower = path.lower()
+    if not lower.endswith((".parquet", ".jsonl", ".ndjson", ".json")):
+        raise DataFileError(path, "unsupported file type: use .parquet, .jsonl or .json")
+    try:
+        if lower.endswith(".parquet"):
+            import pyarrow.parquet as pq
+
+            table = pq.read_table(path)
+            return table.to_pylist(), table.schema
+        if lower.endswith(".json"):
+            return _read_json(path), None
+        return _read_jsonl(path), None
+    except DataFileError:
+        raise
+    except (OSError, ValueError) as e:  # ArrowInvalid, JSONDecodeError, UnicodeDecodeError
+        reason = " ".join(str(e).split()) or type(e).__name__
+        raise DataFileError(path, reason) from e
+
+
+def _read_jsonl(path: str) -> list[Union[dict, Exception]]:
+    out: list[Union[dict, Exception]] = []
+    with open(path, "r", encoding="utf-8") as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                out.append(ValueError("blank line"))
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                out.append(ValueError(f"invalid JSON: {e.msg}"))
+                continue
+            out.append(rec if isinstance(rec, dict) else ValueError("not a JSON object"))
+    # a trailing newline does not make a row
+    while out and isinstance(out[-1], ValueError) and str(out[-1]) == "blank line":
+        out.pop()
+    return out
+
+
+def _read_json(path: str) -> list[Union[dict, Exception]]:
+    with open(path, "r", encoding="utf-8") as f:
+        text = f.read()
+    if not text.strip():
+        return []
+    data = json.loads(text)
+    if isinstance(data, dict):  # {"data": [...]} or column dict
+        if len(data) == 1 and isinstance(next(iter(data.values())), list):
+            data = next(iter(data.values()))
+        else:
+            raise DataFileError(path, "expected a JSON list of objects")
+    if not isinstance(data, list):
+        raise DataFileError(path, "expected a JSON list of objects")
+    return [r if isinstance(r, dict) else ValueError("not a JSON object") for r in data]
+
+
+def _schema_columns(schema: Any) -> list[str]:
+    return list(schema.names)
+
+
+def _schema_has(schema: Any, column: str) -> bool:
+    """Whether a parquet schema has ``column`` (a dotted column walks struct fields)."""
+    import pyarrow as pa
+
+    if column in schema.names:
+        return True
+    fields = {f.name: f for f in schema}
+    parts = column.split(".")
+    for i, part in enumerate(parts):
+        f = fields.get(part)
+        if f is None:
+            return False
+        if i == len(parts) - 1:
+            return True
+        if not pa.types.is_struct(f.type):
+            return False
+        fields = {f.type.field(j).name: f.type.field(j) for j in range(f.type.num_fields)}
+    return False
 
 
 def get_field(record: Mapping[str, Any], column: str, default: Any = _MISSING) -> Any:
@@ -128,6 +223,8 @@ def load_rows(
     normalize: Optional[Callable[[dict], dict]] = None,
     limit: Optional[int] = None,
     return_report: bool = False,
+    map_hint: Optional[str] = None,
+    warn: bool = True,
 ):
     """Load rows with canonical field names.
 
@@ -141,6 +238,17 @@ def load_rows(
       normalize: per-row hook (canonical dict -> dict) that may raise ValueError for a bad row.
       limit: keep at most this many good rows (per call).
       return_report: also return a list of :class:`LoadReport` (one per file).
+      map_hint: how the caller's user maps a field to another column, a ``str.format`` template
+        with ``{field}`` and ``{column}`` (e.g. ``"--field {field}=<column>"``); added to the
+        :class:`MissingColumnError` message. Without it the message only suggests renaming.
+      warn: log skipped bad rows (``on_bad_row="skip"``); callers that report them from the
+        returned :class:`LoadReport` pass False.
+
+    Raises:
+      FileNotFoundError: a file does not exist.
+      DataFileError: a file cannot be read (type, corrupt parquet, invalid .json, not UTF-8).
+      MissingColumnError: a required column is in no row (for parquet: not in the schema).
+      BadRowError: bad rows with ``on_bad_row="error"``.
     """
     import datasets
 
@@ -157,19 +265,24 @@ def load_rows(
         p = os.fspath(p)
         if not os.path.exists(p):
             raise FileNotFoundError(f"data file not found: {p}")
-        records = read_records(p)
+        if os.path.isdir(p):
+            raise DataFileError(p, "is a directory, not a .parquet, .jsonl or .json file")
+        records, schema = _read(p)
         report = LoadReport(path=p, total=len(records))
         # A required column absent from every row is a configuration error, not bad data.
         good_records = [r for r in records if isinstance(r, dict)]
-        if good_records:
-            for name in required:
-                col = mapping[name]
-                if all(get_field(r, col) is _MISSING for r in good_records):
-                    avail = sorted({k for r in good_records[:100] for k in r})
-                    raise KeyError(
-                        f"{p}: no row has column {col!r} for field {name!r}; available columns: "
-                        f"{avail}. Map it with fields={{'{name}': '<column>'}} (--field {name}=<column>)."
-                    )
+        if schema is not None:
+            missing = [(n, mapping[n]) for n in required if not _schema_has(schema, mapping[n])]
+            found = _schema_columns(schema)
+        elif good_records:
+            missing = [(n, mapping[n]) for n in required
+                       if all(get_field(r, mapping[n]) is _MISSING for r in good_records)]
+            found = list(dict.fromkeys(k for r in good_records[:100] for k in r))
+        else:
+            missing, found = [], []
+        if missing:
+            expected = list(dict.fromkeys(mapping[n] for n in required))
+            raise MissingColumnError(p, missing, found, expected, hint=map_hint)
         for idx, rec in enumerate(records):
             if isinstance(rec, Exception):
                 report.bad.append((idx, str(rec)))
@@ -203,9 +316,9 @@ def load_rows(
         if report.bad:
             if on_bad_row == "error":
                 raise BadRowError(p, report.bad)
-            logger.warning(
-                "skipped %d of %d rows in %s: %s", len(report.bad), report.total, p, _format_bad(report.bad)
-            )
+            if warn:
+                logger.warning("skipped %d of %d rows in %s: %s", len(report.bad), report.total, p,
+                               _format_bad(report.bad))
 
     columns: dict[str, list] = {}
     keys: list[str] = []

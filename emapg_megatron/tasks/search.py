@@ -381,6 +381,11 @@ class SearchTask(Task):
     def stop_strings(self) -> list[str]:
         return ["</search>", "</answer>"]
 
+    @property
+    def max_turn_tokens(self) -> Optional[int]:
+        """The per-turn budget (``SearchEnv.max_turn_tokens``): a prompt must leave room for it."""
+        return self.config.max_turn_tokens
+
     def normalize_row(self, row: dict) -> dict:
         ga = row.get("golden_answers")
         if isinstance(ga, str):

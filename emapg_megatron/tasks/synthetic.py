@@ -51,6 +51,9 @@ class CopyTask(Task):
         self.rows = [{"digits": "".join(rng.choice(DIGITS) for _ in range(length))}
                      for _ in range(num_rows)]
 
+    def builtin_rows(self) -> list:
+        return self.rows
+
     def prompt(self, row: Mapping[str, Any], tokenizer: Any = None) -> str:
         return row["digits"] + "="
 

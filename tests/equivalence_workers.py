@@ -1,0 +1,45 @@
+"""Rank functions for the layout x architecture equivalence matrix (spawned, so module level)."""
+
+import torch
+
+
+def train_steps(argv: list, steps: int):
+    """Build the run as ``emapg_megatron.train`` does and take ``steps`` trainer steps.
+
+    Returns the per-step metrics and this rank's parameters keyed by what they are: the global
+    name, plus the TP rank for TP-split weights. Replicated weights (norms, biases of row-parallel
+    layers, every weight across DP, the tied embedding on the first and last stage) share a key.
+    """
+    from megatron.core import parallel_state as ps
+
+    from emapg_megatron import train
+    from emapg_megatron.training.model_and_optimizer import global_param_name, unwrap
+
+    args, model_cfg = train.prepare(argv)
+    tokenizer, task = train.build_tokenizer_and_task(args)
+    prompts = train.load_prompts(args, tokenizer, task)
+    trainer = train.build_run(args, tokenizer, task, model_cfg, prompts.rows)
+    metrics = [trainer.step(i) for i in range(1, steps + 1)]
+    gpt = unwrap(trainer.model_chunks[0])
+    tp_rank = ps.get_tensor_model_parallel_rank()
+    params = {}
+    for name, p in gpt.named_parameters():
+        if getattr(p, "shared_embedding", False) or name == "output_layer.weight" and model_cfg.tie_word_embeddings:
+            name = "embedding.word_embeddings.weight"  # the last stage's copy of the tied embedding
+        split = getattr(p, "tensor_model_parallel", False)
+        params[f"{global_param_name(gpt, name)}|tp{tp_rank if split else '*'}"] = p.detach().float().clone()
+    return {"metrics": metrics, "params": params}
+
+
+def train_each_loss_type(base_argv: list, loss_types: list, steps: int):
+    """``steps`` trainer steps with each ``--kl-loss-type`` in turn: {type: last step's metrics}."""
+    from emapg_megatron import train
+
+    out = {}
+    for name in loss_types:
+        extra = ["--kl-alpha", "0.7"] if name == "topk-alpha" else []
+        args, model_cfg = train.prepare([*base_argv, "--kl-loss-type", name, *extra])
+        tokenizer, task = train.build_tokenizer_and_task(args)
+        trainer = train.build_run(args, tokenizer, task, model_cfg, train.load_prompts(args, tokenizer, task).rows)
+        out[name] = [trainer.step(i) for i in range(1, steps + 1)][-1]
+    return out

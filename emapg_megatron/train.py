@@ -117,6 +117,7 @@ def build_run(args, tokenizer, task, model_cfg, rows):
     from emapg_megatron.anchor import EmaAnchor, EmaConfig, StabilityMonitor
     from emapg_megatron.trainer import KLConfig, PolicyPasses, StepConfig, Trainer
     from emapg_megatron.training.model_and_optimizer import OptimConfig, build_model_and_optimizer
+    from emapg_megatron.training.optimizer_step import check_loaded_weights
     from emapg_megatron.training.prompt_data import PromptSchedule
 
     optim = OptimConfig(lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
@@ -126,11 +127,13 @@ def build_run(args, tokenizer, task, model_cfg, rows):
                                                   sequence_parallel=args.sequence_parallel)
     if args.pretrained_checkpoint:
         load_pretrained(chunks, optimizer, args.pretrained_checkpoint)
+        check_loaded_weights(chunks, f"--pretrained-checkpoint {args.pretrained_checkpoint}")
     elif args.load_hf:
         from emapg_megatron.checkpoint import load_hf_weights
 
         load_hf_weights(chunks, model_cfg, args.load_hf, progress=dist.get_rank() == 0)
         optimizer.reload_model_params()
+        check_loaded_weights(chunks, f"--load-hf {args.load_hf}")
     warmup = (int(args.lr_warmup_fraction * args.train_iters) if args.lr_warmup_fraction is not None
               else args.lr_warmup_iters)
     scheduler = OptimizerParamScheduler(
@@ -206,6 +209,9 @@ def sharded_training_state(trainer, *, is_loading: bool = False) -> dict:
 
 def save_checkpoint(args, trainer, iteration: int) -> None:
     from emapg_megatron.training import checkpointing
+    from emapg_megatron.training.optimizer_step import check_weights
+
+    check_weights(trainer.model_chunks, f"before saving step {iteration}")
 
     common = {"iteration": iteration, "scheduler": trainer.scheduler.state_dict(),
               "skipped_steps": trainer.skipped_steps, "args": json.dumps(vars(args), default=str)}

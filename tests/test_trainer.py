@@ -11,6 +11,7 @@ import time
 import pytest
 
 from emapg_megatron.multiprocess import free_port, run_distributed
+from train_run_workers import refused_update_changes_nothing
 from trainer_workers import save_initial_weights
 
 pytestmark = pytest.mark.slow
@@ -120,15 +121,29 @@ def test_corrupt_checkpoint_tracker_is_a_clear_error(tmp_path):
     assert "corrupt latest_checkpointed_iteration.txt" in r.stdout + r.stderr
 
 
-def test_nan_steps_are_skipped_counted_and_stop_the_run(tmp_path):
+def test_non_finite_initial_weights_are_refused_before_training(tmp_path):
     poisoned = tmp_path / "poisoned"
     run_distributed(save_initial_weights, 1, args=(str(poisoned), BASE, True))
-    r = torchrun(1, ["--train-iters", "5", "--max-skipped-steps", "1",
-                     "--pretrained-checkpoint", str(poisoned)], tmp_path / "log")
-    assert r.returncode != 0
-    assert "steps skipped for non-finite loss or gradients" in r.stdout + r.stderr
-    ms = metrics(tmp_path / "log")
-    assert [m["skipped"] for m in ms] == [1.0, 1.0]
+    r = torchrun(1, ["--train-iters", "5", "--pretrained-checkpoint", str(poisoned)], tmp_path / "log")
+    assert r.returncode != 0  # torchrun reports a rank's exit code 2 as 1
+    assert f"error: --pretrained-checkpoint {poisoned} holds non-finite weights" in r.stdout + r.stderr
+    assert not (tmp_path / "log" / "metrics.jsonl").exists() or not metrics(tmp_path / "log")
+
+
+def test_a_refused_update_changes_no_weight():
+    for out in run_distributed(refused_update_changes_nothing, 2):  # the NaN is on rank 0 only
+        assert out["refused"] and out["unchanged"] and out["adam_untouched"]
+        assert out["applied"] and out["moved"] and out["scheduler_steps"] == 1
+
+
+def test_exploding_weights_stop_the_run_before_the_ema_and_any_checkpoint(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    r = torchrun(1, ["--train-iters", "4", "--lr", "1e30", "--clip-grad", "0", "--save", str(ckpt),
+                     "--save-interval", "1"], tmp_path / "log")
+    assert r.returncode != 0, r.stdout + r.stderr
+    assert "error: stopping after step 1: the weights are exploded" in r.stdout + r.stderr
+    assert not (ckpt / "latest_checkpointed_iteration.txt").exists()  # nothing was saved
+    assert not (tmp_path / "log" / "metrics.jsonl").exists() or not metrics(tmp_path / "log")
 
 
 def test_sigterm_saves_a_checkpoint_and_exits_cleanly(init_ckpt, tmp_path):

@@ -6,7 +6,7 @@ import pytest
 
 from emapg_megatron.arguments import build_parser
 from emapg_megatron.multiprocess import run_distributed
-from equivalence_workers import train_each_loss_type
+from train_run_workers import train_each_loss_type
 
 pytestmark = pytest.mark.slow
 

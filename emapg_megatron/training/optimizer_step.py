@@ -48,13 +48,25 @@ def largest_weight(model_chunks) -> float:
     return reduce_max(local)
 
 
-def check_weights(model_chunks, when: str) -> None:
-    """Stop with one line when the weights are non-finite or exploded (before EMA and saving)."""
+def weights_problem(model_chunks, *, exploded_limit: float = EXPLODED_WEIGHT) -> str | None:
+    """What is wrong with the weights ("non-finite", "exploded ..."), or None; same on every rank."""
     largest = largest_weight(model_chunks)
     if not math.isfinite(largest):
-        raise ConfigError(f"stopping {when}: the weights are non-finite; no checkpoint written, "
-                          "the EMA anchor not updated (lower --lr, or set --clip-grad)")
-    if largest > EXPLODED_WEIGHT:
-        raise ConfigError(f"stopping {when}: the weights exploded (max |w| = {largest:.3g} > "
-                          f"{EXPLODED_WEIGHT:.0e}); no checkpoint written, the EMA anchor not updated "
-                          "(lower --lr, or set --clip-grad)")
+        return "non-finite"
+    if largest > exploded_limit:
+        return f"exploded (max |w| = {largest:.3g} > {exploded_limit:.0e})"
+    return None
+
+
+def check_weights(model_chunks, when: str) -> None:
+    """Stop with one line when the weights are non-finite or exploded (before the EMA and saving)."""
+    problem = weights_problem(model_chunks)
+    if problem:
+        raise ConfigError(f"stopping {when}: the weights are {problem}; no checkpoint written and the "
+                          "EMA anchor not updated from them (lower --lr, or set --clip-grad)")
+
+
+def check_loaded_weights(model_chunks, source: str) -> None:
+    """Refuse initial weights that are non-finite (a corrupt or poisoned checkpoint)."""
+    if weights_problem(model_chunks, exploded_limit=math.inf):
+        raise ConfigError(f"{source} holds non-finite weights: refusing to train from it")

@@ -1,4 +1,4 @@
-"""Rank functions for the layout x architecture equivalence matrix (spawned, so module level)."""
+"""Rank functions that build the run as emapg_megatron.train does and take trainer steps (spawned)."""
 
 import torch
 
@@ -43,3 +43,40 @@ def train_each_loss_type(base_argv: list, loss_types: list, steps: int):
         trainer = train.build_run(args, tokenizer, task, model_cfg, train.load_prompts(args, tokenizer, task).rows)
         out[name] = [trainer.step(i) for i in range(1, steps + 1)][-1]
     return out
+
+
+def refused_update_changes_nothing():
+    """A NaN gradient on one rank: the gradient step is refused and no weight or state changes."""
+    import math
+
+    from emapg_megatron.models.gpt import ModelConfig
+    from emapg_megatron.training.model_and_optimizer import OptimConfig, build_model_and_optimizer
+    from emapg_megatron.training.optimizer_step import step_if_finite
+
+    chunks, opt = build_model_and_optimizer(
+        ModelConfig(vocab_size=64, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
+                    make_vocab_size_divisible_by=8), OptimConfig(lr=1e-2))
+
+    class Steps:
+        count = 0
+
+        def step(self, increment):
+            self.count += increment
+
+    def state():
+        return [p.detach().clone() for p in chunks[0].parameters()]
+
+    for p in chunks[0].parameters():
+        p.main_grad.fill_(1e-3)
+    sched, before = Steps(), state()
+    if torch.distributed.get_rank() == 0:
+        next(iter(chunks[0].parameters())).main_grad[0] = math.nan
+    refused = not step_if_finite(chunks, opt, sched, [0.0])
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, state()))
+    adam_untouched = len(getattr(opt, "optimizer", opt).state) == 0  # torch Adam creates state lazily
+    for p in chunks[0].parameters():
+        p.main_grad.fill_(1e-3)
+    applied = step_if_finite(chunks, opt, sched, [0.0])
+    moved = not all(torch.equal(a, b) for a, b in zip(before, state()))
+    return {"refused": refused, "unchanged": unchanged, "adam_untouched": adam_untouched,
+            "applied": applied, "moved": moved, "scheduler_steps": sched.count}

@@ -84,6 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
       help="separate output layer instead of the tied input embedding")
     a("--make-vocab-size-divisible-by", type=int, default=128,
       help="pad the vocabulary to a multiple of this x TP")
+    a("--vocab-size", type=int, default=None,
+      help="vocabulary of a randomly initialised model (synthetic task; default: its tokenizer's "
+           "13 ids). Larger sizes model a real LM head for benchmarks; ids beyond the tokenizer's "
+           "decode to nothing")
     a("--init-method-std", type=float, default=0.02, help="weight init std (random init only)")
     a("--load-hf", default=None,
       help="initialise weights, model shape and tokenizer from a Hugging Face checkpoint directory")
@@ -92,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     a = g["precision"].add_argument
     a("--bf16", action="store_true", help="bf16 weights and activations, fp32 main params")
+    a("--transformer-impl", default="auto", choices=("auto", "local", "transformer_engine"),
+      help="layer implementation: Megatron's local spec (CPU and GPU), Transformer Engine's "
+           "(GPU; needed for FP8), or auto: TE on a GPU when it imports, else local")
     a("--fp8-format", default=None, choices=("e4m3", "hybrid"), help="FP8 via Transformer Engine")
     a("--fp8-recipe", default="delayed", choices=("delayed", "tensorwise", "blockwise"),
       help="FP8 scaling recipe")
@@ -280,6 +287,10 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     _check(not args.ema_shard_over_dp or args.use_distributed_optimizer,
            "--ema-shard-over-dp needs --use-distributed-optimizer")
     _check(args.train_iters >= 1, f"--train-iters must be >= 1 (got {args.train_iters})")
+    _check(args.vocab_size is None or args.load_hf is None,
+           "--vocab-size is for a randomly initialised model: --load-hf sets the vocabulary")
+    _check(args.vocab_size is None or args.vocab_size >= 13,
+           f"--vocab-size must cover the synthetic task's 13 token ids (got {args.vocab_size})")
     _check(args.kl_topk_tokens >= 0, "--kl-topk-tokens must be >= 0")
     kl = loss_type(args.kl_loss_type)
     _check(kl.family == SAMPLED or args.kl_topk_tokens >= 1,

@@ -35,10 +35,14 @@ class MetricsLogger:
         if not enabled:
             return
         os.makedirs(log_dir, exist_ok=True)
-        self.jsonl = open(os.path.join(log_dir, "metrics.jsonl"), "a", encoding="utf-8")
+        path = os.path.join(log_dir, "metrics.jsonl")
+        trim_jsonl(path, start_step)
+        self.jsonl = open(path, "a", encoding="utf-8")
         from torch.utils.tensorboard import SummaryWriter
 
-        self.tb = SummaryWriter(tensorboard_dir or os.path.join(log_dir, "tensorboard"))
+        # A resumed run logs steps start_step+1.. again: hide the old run's events from there on.
+        self.tb = SummaryWriter(tensorboard_dir or os.path.join(log_dir, "tensorboard"),
+                                purge_step=start_step + 1 if start_step else None)
 
     def log(self, step: int, metrics: dict) -> None:
         if not self.enabled:
@@ -75,6 +79,32 @@ class MetricsLogger:
         self.tb.close()
         return plot_curves(os.path.join(self.log_dir, "metrics.jsonl"),
                            os.path.join(self.log_dir, "curves.png"))
+
+
+def trim_jsonl(path: str, last_step: int) -> None:
+    """Keep the records of steps <= ``last_step`` (a resumed run logs the later ones again).
+
+    Unreadable lines (a run killed mid-write) are dropped; the file is replaced atomically.
+    """
+    if not os.path.isfile(path):
+        return
+    kept, changed = [], False
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+                keep = int(record["step"]) <= last_step
+            except (ValueError, TypeError, KeyError):
+                keep = False
+            if keep:
+                kept.append(line if line.endswith("\n") else line + "\n")
+            changed |= not keep or not line.endswith("\n")
+    if not changed:
+        return
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(kept)
+    os.replace(tmp, path)
 
 
 def read_jsonl(path: str) -> list[dict]:

@@ -29,7 +29,7 @@ class ParallelConfig:
     device: str = "auto"  # auto | cpu | cuda
     backend: str = "auto"  # auto | gloo | nccl
     seed: int = 1234
-    timeout_minutes: int = 30
+    timeout_minutes: int = 30  # every collective (and Megatron's groups): a dead peer ends the run
 
     def resolved_device(self) -> str:
         if self.device != "auto":
@@ -121,6 +121,18 @@ def initialize(cfg: ParallelConfig) -> None:
     model_parallel_cuda_manual_seed(cfg.seed)
 
 
+def collective_failure(exc: BaseException) -> str | None:
+    """One line for a collective that failed because a peer died or hung, else None."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    dist_error = isinstance(exc, getattr(dist, "DistError", ()))
+    peer_words = ("Connection closed by peer", "Connection reset by peer", "timed out", "Timed out",
+                  "Broken pipe", "NCCL communicator was aborted", "ProcessGroupGloo")
+    if dist_error or (isinstance(exc, RuntimeError) and any(w in text for w in peer_words)):
+        return (f"a collective failed ({text}): a peer process died or stopped responding "
+                "(see the other ranks' logs; --distributed-timeout-minutes bounds the wait)")
+    return None
+
+
 def model_parallel_options(cfg: ParallelConfig) -> dict:
     """Arguments of Megatron's ``initialize_model_parallel`` for this config.
 
@@ -129,7 +141,8 @@ def model_parallel_options(cfg: ParallelConfig) -> dict:
     """
     return dict(tensor_model_parallel_size=cfg.tensor_model_parallel_size,
                 pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
-                create_gloo_process_groups=True)
+                create_gloo_process_groups=True,
+                distributed_timeout_minutes=cfg.timeout_minutes)
 
 
 def destroy() -> None:

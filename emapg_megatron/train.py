@@ -61,7 +61,7 @@ def model_config(args):
     from emapg_megatron.tasks.synthetic import CharTokenizer
 
     return ModelConfig(
-        vocab_size=CharTokenizer().vocab_size,
+        vocab_size=args.vocab_size or CharTokenizer().vocab_size,
         hidden_size=args.hidden_size,
         ffn_hidden_size=args.ffn_hidden_size,
         num_layers=args.num_layers,
@@ -82,7 +82,8 @@ def model_config(args):
 def precision_config(args):
     from emapg_megatron.models.gpt import PrecisionConfig
 
-    return PrecisionConfig(bf16=args.bf16, fp8_format=args.fp8_format, fp8_recipe=args.fp8_recipe)
+    return PrecisionConfig(bf16=args.bf16, fp8_format=args.fp8_format, fp8_recipe=args.fp8_recipe,
+                           transformer_impl=args.transformer_impl)
 
 
 def world_size_from_env(args) -> int:
@@ -185,12 +186,11 @@ def build_rollout_engine(args, chunks, model_cfg, tokenizer):
 
 def load_pretrained(chunks, optimizer, path: str) -> None:
     """Model weights only (e.g. from `emapg-convert hf-to-mcore`), any TP/PP."""
-    from megatron.core import dist_checkpointing
-
+    from emapg_megatron.training.checkpoint_verify import load_verified
     from emapg_megatron.training.model_and_optimizer import unwrap
 
     gpt = unwrap(chunks[0])
-    gpt.load_state_dict(dist_checkpointing.load(gpt.sharded_state_dict(), path))
+    gpt.load_state_dict(load_verified(gpt.sharded_state_dict(), path))  # nothing in it may run
     optimizer.reload_model_params()
 
 
@@ -212,6 +212,7 @@ def save_checkpoint(args, trainer, iteration: int) -> None:
     from emapg_megatron.training.optimizer_step import check_weights
 
     check_weights(trainer.model_chunks, f"before saving step {iteration}")
+    checkpointing.check_finite_before_save(trainer.model_chunks, trainer.anchor, iteration)
 
     common = {"iteration": iteration, "scheduler": trainer.scheduler.state_dict(),
               "skipped_steps": trainer.skipped_steps, "args": json.dumps(vars(args), default=str)}
@@ -246,20 +247,39 @@ def log0(msg: str) -> None:
 
 
 class StopFlag:
-    """SIGTERM/SIGINT ask for a checkpoint and a clean exit at the end of the current step."""
+    """SIGTERM/SIGINT ask for a checkpoint and a clean exit at the end of the current step.
 
-    def __init__(self):
+    If the ranks cannot agree within ``grace_s`` (a peer died and this rank waits in a
+    collective), the process exits with one line instead of blocking; a second signal exits at once.
+    """
+
+    def __init__(self, grace_s: float = 120.0):
         self.requested = False
+        self.grace_s = grace_s
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._handle)
+        signal.signal(signal.SIGALRM, self._give_up)
 
     def _handle(self, signum, frame):
+        if self.requested:
+            self._give_up(signum, frame)
         self.requested = True
+        signal.setitimer(signal.ITIMER_REAL, self.grace_s)
+
+    @staticmethod
+    def _give_up(signum, frame):
+        print(f"error: stopped by signal {signal.Signals(signum).name} without a checkpoint: the ranks "
+              "did not reach the end of the step in time (a peer may have died)", file=sys.stderr,
+              flush=True)
+        os._exit(1)
 
     def agreed(self) -> bool:
         from emapg_megatron.training.collectives import any_true
 
         return any_true(self.requested)
+
+    def done(self) -> None:
+        signal.setitimer(signal.ITIMER_REAL, 0)
 
 
 def train(args, trainer, logger, start: int) -> int:
@@ -275,6 +295,7 @@ def train(args, trainer, logger, start: int) -> int:
         if args.save and (stopping or (args.save_interval and iteration % args.save_interval == 0)):
             save_checkpoint(args, trainer, iteration)
         if stopping:
+            stop.done()
             log0(f"signal received: stopped after step {iteration}")
             return iteration
     if args.save and not (args.save_interval and iteration % args.save_interval == 0):
@@ -298,12 +319,21 @@ def run(argv=None) -> int:
     args, model_cfg = prepare(argv)
     tokenizer, task = build_tokenizer_and_task(args)
     prompts = load_prompts(args, tokenizer, task)  # bad data stops here, before any work
-    if args.dry_run:
+    if args.dry_run:  # a staged example's --load may not exist yet
         print(json.dumps({"layout": layout(args, world_size_from_env(args)), "prompts": len(prompts.rows),
                           "model": model_cfg.to_dict(), "args": vars(args)}, indent=2, default=str))
         return 0
+    if args.load:
+        from emapg_megatron.training.checkpointing import check_train_iters
+
+        check_train_iters(args.train_iters, args.load)
     runtime.initialize(arguments.parallel_config(args))
+    save_lock = None
     try:
+        if args.save:  # one run per --save directory (rank 0 holds it; all ranks agree)
+            from emapg_megatron.training.run_lock import lock_save_dir
+
+            save_lock = lock_save_dir(args.save)
         trainer = build_run(args, tokenizer, task, model_cfg, prompts.rows)
         start = resume(args, trainer) if args.load else 0
         log0(f"layout {layout(args, dist.get_world_size())}; training steps {start + 1}..{args.train_iters}")
@@ -315,6 +345,8 @@ def run(argv=None) -> int:
         if png:
             log0(f"metrics: {os.path.join(args.log_dir, 'metrics.jsonl')}; curves: {png}")
     finally:
+        if save_lock is not None:
+            save_lock.release()
         runtime.destroy()
     return 0
 
@@ -325,6 +357,12 @@ def main(argv=None) -> None:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except RuntimeError as e:
+        line = runtime.collective_failure(e)
+        if line is None:
+            raise
+        print(f"error: {line}", file=sys.stderr, flush=True)
+        os._exit(1)  # no teardown: it would wait on the dead peer again
 
 
 if __name__ == "__main__":

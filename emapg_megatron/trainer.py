@@ -360,6 +360,7 @@ class Trainer:
             "step_time_s": elapsed,
             "update_time_s": time.monotonic() - t_passes,
             "lr": self.optimizer.param_groups[0]["lr"],
+            "max_memory_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,  # 0 in CPU mode
             "skipped": stats["skipped"],
             "updates_refused": stats["updates_refused"],
         }

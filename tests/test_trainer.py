@@ -164,3 +164,19 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(init_ckpt, tmp_path):
     assert "signal received" in out
     step = int((ckpt / "latest_checkpointed_iteration.txt").read_text())
     assert 2 <= step < 200
+
+
+def test_a_dead_peer_ends_the_run_with_one_line(init_ckpt, tmp_path):
+    proc = torchrun(2, ["--train-iters", "200", "--tensor-model-parallel-size", "2",
+                        "--pretrained-checkpoint", init_ckpt], tmp_path / "log", wait=False)
+    deadline = time.time() + 240
+    log = tmp_path / "log" / "metrics.jsonl"
+    while time.time() < deadline and not (log.exists() and log.read_text().count("\n") >= 2):
+        time.sleep(0.5)
+    import psutil
+
+    ranks = sorted(psutil.Process(proc.pid).children(), key=lambda p: p.pid)
+    ranks[-1].kill()  # SIGKILL: the peer dies without a word
+    out, _ = proc.communicate(timeout=180)  # a hang guard: the survivor must not wait forever
+    assert proc.returncode != 0
+    assert "error: a collective failed" in out or "error: stopped by signal" in out, out

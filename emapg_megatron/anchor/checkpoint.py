@@ -177,6 +177,9 @@ def check_checkpoint(anchor, ckpt_dir: str) -> None:
     """
     from megatron.core import dist_checkpointing
 
+    from emapg_megatron.training.checkpoint_verify import verify_checkpoint_metadata
+
+    verify_checkpoint_metadata(ckpt_dir)  # megatron unpickles .metadata: nothing in it may run
     stored = dist_checkpointing.load_tensors_metadata(ckpt_dir)
     checked = set()
     for expected in _expected(anchor).values():

@@ -169,12 +169,12 @@ def load_mcore(model_chunks, ckpt_dir: str | Path) -> None:
     The vocabulary padding may differ from the saved one (Megatron marks the embedding and
     output layer ``allow_shape_mismatch``).
     """
-    from megatron.core import dist_checkpointing
+    from emapg_megatron.training.checkpoint_verify import load_verified
 
     if not (Path(ckpt_dir) / "metadata.json").is_file():
         raise ConfigError(f"{ckpt_dir} is not a Megatron dist checkpoint (no metadata.json)")
     sharded = _sharded_state_dict(model_chunks)
-    loaded = dist_checkpointing.load(sharded, str(ckpt_dir))
+    loaded = load_verified(sharded, str(ckpt_dir))  # nothing in the checkpoint may run
     for key, chunk in zip(sharded, model_chunks):
         unwrap(chunk).load_state_dict(loaded[key])
 

@@ -84,9 +84,16 @@ class ModelConfig:
 
 @dataclass
 class PrecisionConfig:
+    """How the layers compute: dtype, FP8, and which implementation (Megatron's local spec or TE)."""
+
     bf16: bool = False
-    fp8_format: str | None = None  # e4m3 | hybrid
-    fp8_recipe: str = "delayed"  # delayed | tensorwise | blockwise
+    """bf16 weights and activations (fp32 main params in the optimizer)."""
+    fp8_format: str | None = None
+    """FP8 GEMMs through Transformer Engine: e4m3 | hybrid; None is off."""
+    fp8_recipe: str = "delayed"
+    """FP8 scaling recipe: delayed | tensorwise | blockwise."""
+    transformer_impl: str = "auto"
+    """Megatron's --transformer-impl: local | transformer_engine | auto (TE on a GPU when it imports)."""
 
     def params_dtype(self) -> torch.dtype:
         return torch.bfloat16 if self.bf16 else torch.float32
@@ -108,13 +115,23 @@ def _te_import_error() -> str | None:
     return None
 
 
-def use_transformer_engine(device_type: str) -> bool:
-    return device_type == "cuda" and te_available()
+def use_transformer_engine(device_type: str, impl: str = "auto") -> bool:
+    if impl == "auto":
+        return device_type == "cuda" and te_available()
+    return impl == "transformer_engine"
 
 
 def validate_precision(prec: PrecisionConfig, device_type: str) -> None:
+    if prec.transformer_impl not in ("auto", "local", "transformer_engine"):
+        raise ConfigError(f"--transformer-impl must be auto, local or transformer_engine "
+                          f"(got {prec.transformer_impl!r})")
+    if prec.transformer_impl == "transformer_engine" and (device_type != "cuda" or not te_available()):
+        raise ConfigError("--transformer-impl transformer_engine needs a GPU and Transformer Engine "
+                          f"({_te_import_error() or 'no GPU in this run'}): see docs/gpu.md")
     if prec.fp8_format is None:
         return
+    if prec.transformer_impl == "local":
+        raise ConfigError("FP8 runs on Transformer Engine's layers: drop --transformer-impl local")
     if prec.fp8_format not in ("e4m3", "hybrid"):
         raise ConfigError(f"--fp8-format must be e4m3 or hybrid (got {prec.fp8_format!r})")
     if prec.fp8_recipe not in ("delayed", "tensorwise", "blockwise"):
@@ -209,7 +226,8 @@ class LocalRMSNorm(torch.nn.RMSNorm):
         self.weight.sequence_parallel = config.sequence_parallel
 
 
-def layer_spec(cfg: ModelConfig, device_type: str, tcfg, vp_stage: int | None = None):
+def layer_spec(cfg: ModelConfig, device_type: str, tcfg, vp_stage: int | None = None,
+               impl: str = "auto"):
     """TE spec on a GPU with a working Transformer Engine, else the local spec with
     :class:`LocalRMSNorm` in every norm slot (per layer, q/k and the final norm) for this stage's
     layers (``tcfg``: the TransformerConfig)."""
@@ -218,7 +236,7 @@ def layer_spec(cfg: ModelConfig, device_type: str, tcfg, vp_stage: int | None = 
     from megatron.core.transformer.transformer_block import (TransformerBlockSubmodules,
                                                              get_num_layers_to_build)
 
-    if use_transformer_engine(device_type):
+    if use_transformer_engine(device_type, impl):
         return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=cfg.qk_layernorm)
     layer = specs.get_gpt_layer_local_spec(qk_layernorm=cfg.qk_layernorm, normalization="RMSNorm")
     sub = layer.submodules
@@ -248,7 +266,7 @@ def build_gpt_model(cfg: ModelConfig, *, tp: int = 1, pp: int = 1, pre_process: 
                               sequence_parallel=sequence_parallel)
     model = GPTModel(
         config=tcfg,
-        transformer_layer_spec=layer_spec(cfg, device_type, tcfg, vp_stage),
+        transformer_layer_spec=layer_spec(cfg, device_type, tcfg, vp_stage, prec.transformer_impl),
         vocab_size=cfg.padded_vocab_size(tp),
         max_sequence_length=cfg.max_position_embeddings,
         pre_process=pre_process,

@@ -9,6 +9,12 @@ Layout (Megatron-LM style)::
 All ranks write into ``iter_N.tmp``; rank 0 renames it once every rank is done, then
 updates the tracker file. A crash mid-save leaves only a ``.tmp`` directory, never a
 checkpoint that looks complete.
+
+Loading never executes code from the checkpoint (:mod:`.checkpoint_verify` checks every pickle
+first) and a damaged checkpoint is one ConfigError line. ``common`` records the saving layout
+(world, TP, PP, DP, optimizer format): a resume at another layout reshards the model, optimizer
+and EMA, reseeds the per-rank RNG with a warning, and refuses in one line what megatron cannot
+reshard (switching --use-distributed-optimizer; the distributed optimizer across TP/PP).
 """
 
 from __future__ import annotations
@@ -20,8 +26,13 @@ import torch
 import torch.distributed as dist
 
 from emapg_megatron.runtime import ConfigError
+from emapg_megatron.training.checkpoint_verify import (
+    verify_checkpoint_metadata,
+    verify_loaded_extra_state,
+)
 
 TRACKER = "latest_checkpointed_iteration.txt"
+LAYOUT_KEY = "checkpoint_layout"  # in ``common``: how the checkpoint was saved
 
 
 def iteration_dir(root: str, iteration: int) -> str:
@@ -56,6 +67,7 @@ def save(root: str, iteration: int, sharded_state_dict: dict, common: dict) -> s
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     dist.barrier()
+    common = dict(common, **{LAYOUT_KEY: current_layout(sharded_state_dict)})
     state = dict(sharded_state_dict, rng_state=_rng_sharded_object(), common=common)
     dist_checkpointing.save(state, tmp)
     dist.barrier()
@@ -71,10 +83,25 @@ def latest_iteration(root: str) -> int:
     path = os.path.join(root, TRACKER)
     if not os.path.isfile(path):
         raise ConfigError(f"--load {root}: no {TRACKER} (not a checkpoint directory)")
-    text = open(path, encoding="utf-8").read().strip()
-    if not text.isdigit() or not os.path.isdir(iteration_dir(root, int(text))):
-        raise ConfigError(f"--load {root}: corrupt {TRACKER} ({text!r})")
+    with open(path, "rb") as f:
+        raw = f.read(64)
+    text = raw.decode("utf-8", errors="replace").strip()
+    if not text.isdigit() or not text.isascii():
+        shown = text if len(text) <= 20 else text[:20] + "..."
+        raise ConfigError(f"--load {root}: corrupt {TRACKER} ({shown!r})")
+    if not os.path.isdir(iteration_dir(root, int(text))):
+        raise ConfigError(f"--load {root}: corrupt {TRACKER}: it names step {int(text)}, which has "
+                          f"no {os.path.basename(iteration_dir(root, int(text)))} directory")
     return int(text)
+
+
+def check_train_iters(train_iters: int, load_root: str) -> int:
+    """Refuse a --train-iters below the step of the checkpoint in ``load_root``; returns that step."""
+    step = latest_iteration(load_root)
+    if train_iters < step:
+        raise ConfigError(f"--train-iters {train_iters} is below the checkpoint's step {step} "
+                          f"in {load_root}")
+    return step
 
 
 # megatron-core 0.16.1 rejects the DistributedOptimizer's default (flattened) sharding on save.
@@ -120,18 +147,182 @@ def _find_param_groups(state):
     return None
 
 
+# --- layouts ------------------------------------------------------------------------------------
+def _find_key(state, key):
+    if isinstance(state, dict):
+        if key in state and not isinstance(state[key], dict):
+            return state[key]
+        for value in state.values():
+            found = _find_key(value, key)
+            if found is not None:
+                return found
+    return None
+
+
+def optimizer_format(optimizer_state) -> str | None:
+    """'distributed:<sharding type>' for megatron's DistributedOptimizer, 'local' for the
+    others (state keyed by model tensors), None without optimizer state."""
+    if optimizer_state is None:
+        return None
+    sharding = _find_key(optimizer_state, "param_state_sharding_type")
+    return f"distributed:{sharding}" if sharding is not None else "local"
+
+
+def current_layout(sharded_state_dict: dict | None = None) -> dict:
+    """This run's layout (needs the process group and megatron's parallel_state)."""
+    from megatron.core import parallel_state as ps
+
+    return {
+        "world_size": dist.get_world_size(),
+        "tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
+        "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
+        "data_parallel_size": ps.get_data_parallel_world_size(),
+        "optimizer": optimizer_format((sharded_state_dict or {}).get("optimizer")),
+    }
+
+
+def saved_layout(checkpoint) -> dict:
+    """The layout a verified checkpoint was saved at; inferred for checkpoints older than
+    :data:`LAYOUT_KEY` (then the TP/PP/DP sizes are unknown: None)."""
+    common = checkpoint.common or {}
+    layout = (common.get("common") or {}).get(LAYOUT_KEY) if isinstance(common.get("common"), dict) else None
+    if isinstance(layout, dict):
+        return layout
+    world = None
+    if checkpoint.metadata is not None:
+        for fqn in checkpoint.metadata.state_dict_metadata:
+            if fqn.startswith("rng_state/shard_"):
+                world = int(fqn.rsplit("_", 1)[1])
+                break
+    return {"world_size": world, "tensor_model_parallel_size": None,
+            "pipeline_model_parallel_size": None, "data_parallel_size": None,
+            "optimizer": optimizer_format(common.get("optimizer"))}
+
+
+def _describe(layout: dict) -> str:
+    tp, pp = layout.get("tensor_model_parallel_size"), layout.get("pipeline_model_parallel_size")
+    return f"world {layout.get('world_size')} (TP={tp}, PP={pp}, DP={layout.get('data_parallel_size')})"
+
+
+def check_layout(saved: dict, now: dict, path: str) -> None:
+    """Refuse in one line a resume whose layout change megatron cannot reshard."""
+    before, after = saved.get("optimizer"), now.get("optimizer")
+    if before is None or after is None or before == after:
+        pass
+    elif before.startswith("distributed") != after.startswith("distributed"):
+        was = "with" if before.startswith("distributed") else "without"
+        is_ = "with" if after.startswith("distributed") else "without"
+        raise ConfigError(
+            f"--load {path}: the checkpoint was saved {was} --use-distributed-optimizer and this "
+            f"run is {is_} it; their optimizer states are stored differently and cannot be "
+            f"converted: resume {was} --use-distributed-optimizer")
+    else:
+        raise ConfigError(f"--load {path}: the checkpoint's optimizer state is in the "
+                          f"'{before.split(':', 1)[1]}' format, this run's in "
+                          f"'{after.split(':', 1)[1]}'; they cannot be converted")
+    if (before or "").startswith("distributed") and after is not None:
+        for key, flag in (("tensor_model_parallel_size", "--tensor-model-parallel-size"),
+                          ("pipeline_model_parallel_size", "--pipeline-model-parallel-size")):
+            if saved.get(key) is not None and saved[key] != now[key]:
+                raise ConfigError(
+                    f"--load {path}: the distributed optimizer's state was saved at "
+                    f"{flag.lstrip('-').replace('-', ' ')} {saved[key]} and can only be resharded "
+                    f"over data-parallel ranks: resume with {flag} {saved[key]} (any DP size)")
+
+
+def _same_rank_layout(saved: dict, now: dict) -> bool:
+    """Every rank has the same role as when saving: its RNG state can be restored as is."""
+    keys = ("world_size", "tensor_model_parallel_size", "pipeline_model_parallel_size")
+    return all(saved.get(k) is None or saved.get(k) == now[k] for k in keys) and \
+        saved.get("world_size") is not None
+
+
+def _reseed(iteration: int, saved: dict, now: dict) -> None:
+    """A per-rank RNG state cannot be mapped onto other ranks: reseed deterministically."""
+    torch.manual_seed((iteration * 1_000_003 + dist.get_rank()) % (2**63))
+    if dist.get_rank() == 0:
+        print(f"warning: resuming a checkpoint saved at {_describe(saved)} at {_describe(now)}: "
+              f"model, optimizer, EMA and data position are resharded; the per-rank RNG state "
+              f"is not restored but reseeded from the step", flush=True)
+
+
 def load(root: str, sharded_state_dict: dict) -> tuple[int, dict]:
-    """Load into the given sharded state dict; returns (iteration, loaded state)."""
+    """Load into the given sharded state dict; returns (iteration, loaded state).
+
+    The checkpoint's files are verified first (nothing in them is executed), then its saving
+    layout is compared with this run's (:func:`check_layout`).
+    """
     from megatron.core import dist_checkpointing
 
     iteration = latest_iteration(root)
     path = iteration_dir(root, iteration)
-    state = dict(sharded_state_dict, rng_state=_rng_sharded_object())
+    checkpoint = verify_checkpoint_metadata(path)
+    saved, now = saved_layout(checkpoint), current_layout(sharded_state_dict)
+    check_layout(saved, now, path)
+    restore_rng = _same_rank_layout(saved, now)
+    state = dict(sharded_state_dict)
+    if restore_rng:
+        state["rng_state"] = _rng_sharded_object()
     try:
         loaded = dist_checkpointing.load(state, path)
     except BaseException as e:  # noqa: BLE001 - CheckpointException derives from BaseException
-        raise ConfigError(f"--load {path}: cannot load checkpoint: {str(e).splitlines()[0]}") from e
-    rng = loaded.pop("rng_state")
-    if rng["world_size"] == dist.get_world_size():
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        lines = str(e).strip().splitlines() or [type(e).__name__]
+        raise ConfigError(f"--load {path}: cannot load checkpoint: {lines[0]}") from e
+    verify_loaded_extra_state(loaded.get("model"), path)
+    rng = loaded.pop("rng_state", None)
+    if restore_rng and rng["world_size"] == dist.get_world_size():
         torch.set_rng_state(rng["torch"])
+    else:
+        _reseed(iteration, saved, now)
     return iteration, loaded
+
+
+# --- before saving ---------------------------------------------------------------------------------
+def _first_non_finite(named_tensors) -> str | None:
+    named = [(n, t) for n, t in named_tensors if t is not None and t.is_floating_point() and t.numel()]
+    if not named:
+        return None
+    # One device sync for all tensors; names are looked up only when something is wrong.
+    device = named[0][1].device
+    bad = torch.stack([torch.isfinite(t).logical_not().any().to(device) for _, t in named]).cpu()
+    hits = bad.nonzero()
+    return named[int(hits[0])][0] if len(hits) else None
+
+
+def _ema_tensors(anchor):
+    for store in anchor.stores:
+        for slot in store.bucket.slots:
+            a, b = max(slot.lo, store.lo), min(slot.hi, store.hi)
+            if a < b:
+                yield f"EMA of {slot.name}", store.data[a - store.lo:b - store.lo]
+
+
+@torch.no_grad()
+def check_finite_before_save(model_chunks, anchor=None, iteration: int | None = None) -> None:
+    """Raise ConfigError (on every rank) if any model weight, or EMA weight, is NaN or inf.
+
+    Collective when the process group is up (call it on all ranks): all ranks agree, so none
+    is left waiting inside the save.
+    """
+    from emapg_megatron.training.model_and_optimizer import global_param_name, unwrap
+
+    named = []
+    for i, chunk in enumerate(model_chunks):
+        gpt = unwrap(chunk)
+        prefix = f"chunk{i}." if len(model_chunks) > 1 else ""
+        named += [(prefix + global_param_name(gpt, name), p) for name, p in gpt.named_parameters()]
+    bad = _first_non_finite(named)
+    if bad is None and anchor is not None:
+        bad = _first_non_finite(_ema_tensors(anchor))
+    found = [bad]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        found = [None] * dist.get_world_size()
+        dist.all_gather_object(found, bad)
+    for rank, name in enumerate(found):
+        if name is not None:
+            at = f" at step {iteration}" if iteration is not None else ""
+            where = f" on rank {rank}" if len(found) > 1 else ""
+            raise ConfigError(f"refusing to save a checkpoint{at}: {name}{where} is not finite "
+                              f"(NaN or inf); the last good checkpoint is kept")

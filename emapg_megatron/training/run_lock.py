@@ -1,0 +1,91 @@
+"""One run per ``--save`` directory.
+
+Rank 0 holds an exclusive ``fcntl.flock`` on ``SAVE/.emapg-run.lock`` for the run's lifetime
+and writes its PID (and host) into it. A second run on the same directory fails in one line
+naming the directory and the holder. The kernel drops the lock when its holder exits, however
+it exits, so a lock file left by a dead run never blocks (its stale PID is just overwritten).
+flock is per host on most network file systems: two hosts writing one shared directory are not
+detected everywhere.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+from emapg_megatron.runtime import ConfigError
+
+LOCK_NAME = ".emapg-run.lock"
+
+
+class SaveDirLock:
+    def __init__(self, directory: str):
+        self.directory = directory
+        self.path = os.path.join(directory, LOCK_NAME)
+        self._fd: int | None = None
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def acquire(self) -> SaveDirLock:
+        import fcntl
+
+        os.makedirs(self.directory, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = _read_holder(fd)
+            os.close(fd)
+            raise ConfigError(f"--save {self.directory} is in use by another run ({holder}): two "
+                              f"runs must not write the same checkpoint directory") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            import fcntl
+
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> SaveDirLock:
+        return self.acquire() if not self.held else self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def _read_holder(fd: int) -> str:
+    try:
+        text = os.pread(fd, 200, 0).decode("utf-8", errors="replace").strip()
+    except OSError:
+        text = ""
+    return text.splitlines()[0] if text else "pid unknown"
+
+
+def lock_save_dir(directory: str) -> SaveDirLock:
+    """Take the ``--save`` lock on global rank 0; every rank raises the same ConfigError when it
+    is held elsewhere. Collective once the process group is up (call it on all ranks). Keep the
+    returned lock for the run (``release()`` at the end, or let the process exit)."""
+    import torch.distributed as dist
+
+    lock = SaveDirLock(directory)
+    distributed = dist.is_available() and dist.is_initialized()
+    error = None
+    if not distributed or dist.get_rank() == 0:
+        try:
+            lock.acquire()
+        except ConfigError as e:
+            error = str(e)
+    if distributed and dist.get_world_size() > 1:
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error:
+        raise ConfigError(error)
+    return lock

@@ -1,0 +1,228 @@
+"""Loading a checkpoint never runs code from it; damaged checkpoints, a busy --save directory
+and non-finite weights each fail in one clear line."""
+
+import io
+import os
+import pickle
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from emapg_megatron.anchor.checkpoint import check_checkpoint
+from emapg_megatron.multiprocess import run_distributed
+from emapg_megatron.runtime import ConfigError
+from emapg_megatron.training import checkpointing
+from emapg_megatron.training.checkpoint_verify import (
+    read_dcp_metadata,
+    verify_checkpoint_metadata,
+    verify_loaded_extra_state,
+)
+from emapg_megatron.training.run_lock import LOCK_NAME, SaveDirLock, lock_save_dir
+from checkpoint_workers import training_checkpoint_job
+
+ITER = "iter_0000001"
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A real checkpoint of this project (model with _extra_state items, optimizer, EMA, RNG)."""
+    root = tmp_path_factory.mktemp("ckpt")
+    (out,) = run_distributed(training_checkpoint_job, 1, args=(str(root),))
+    return root, out
+
+
+@pytest.fixture
+def ckpt(saved, tmp_path):
+    """A private copy to tamper with."""
+    root = tmp_path / "ckpt"
+    shutil.copytree(saved[0], root)
+    return root
+
+
+# --- payloads that would create a file when unpickled ----------------------------------------
+class _System:
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+class _Open:
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return open, (self.marker, "w")
+
+
+def _metadata_carrying(payload):
+    """Real-looking torch checkpoint metadata with the payload deep inside."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    return Metadata(state_dict_metadata={"model.weight": payload})
+
+
+PAYLOADS = {
+    "os.system": (lambda m: _System(m), "system"),
+    "open": (lambda m: _Open(m), "io.open"),
+    "nested in Metadata": (lambda m: _metadata_carrying(_System(m)), "system"),
+}
+
+
+def _one_line(e) -> str:
+    text = str(e.value)
+    assert "\n" not in text and "Traceback" not in text
+    return text
+
+
+def test_real_checkpoint_passes_and_records_its_layout(saved):
+    root, _ = saved
+    checked = verify_checkpoint_metadata(str(root / ITER))
+    assert type(checked.metadata).__name__ == "Metadata"
+    assert checked.common["common"][checkpointing.LAYOUT_KEY] == {
+        "world_size": 1, "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
+        "data_parallel_size": 1, "optimizer": "local"}
+
+
+@pytest.mark.parametrize("kind", PAYLOADS)
+def test_code_in_dot_metadata_is_refused_and_never_runs(kind, ckpt, tmp_path):
+    make, refused = PAYLOADS[kind]
+    marker = tmp_path / "pwned"
+    (ckpt / ITER / ".metadata").write_bytes(pickle.dumps(make(marker)))
+    for load in (lambda: verify_checkpoint_metadata(str(ckpt / ITER)),
+                 lambda: checkpointing.load(str(ckpt), {}),  # the trainer's --load
+                 lambda: check_checkpoint(None, str(ckpt / ITER))):  # resume's EMA shape check
+        with pytest.raises(ConfigError) as e:
+            load()
+        text = _one_line(e)
+        assert f"refusing to load {ckpt / ITER / '.metadata'}" in text and refused in text
+    assert not marker.exists()
+
+
+def test_code_in_a_sharded_object_is_refused(ckpt, tmp_path):
+    """torch's DCP planner loads byte items (RNG state, _extra_state) with weights_only=False."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    marker = tmp_path / "pwned"
+    md = read_dcp_metadata(str(ckpt / ITER / ".metadata"))
+    index = next(i for i in md.storage_data if i.fqn.startswith("rng_state"))
+    buf = io.BytesIO()
+    torch.save([_System(marker)], buf)
+    (ckpt / ITER / "__9_0.distcp").write_bytes(buf.getvalue())
+    md.storage_data[index] = _StorageInfo("__9_0.distcp", 0, len(buf.getvalue()))
+    with open(ckpt / ITER / ".metadata", "wb") as f:
+        pickle.dump(md, f)
+    with pytest.raises(ConfigError) as e:
+        checkpointing.load(str(ckpt), {})
+    assert "__9_0.distcp (item rng_state" in _one_line(e) and "system" in str(e.value)
+    assert not marker.exists()
+
+
+def test_code_in_common_pt_is_refused(ckpt, tmp_path):
+    marker = tmp_path / "pwned"
+    torch.save({"iteration": 1, "x": _System(marker)}, ckpt / ITER / "common.pt")
+    with pytest.raises(ConfigError) as e:
+        verify_checkpoint_metadata(str(ckpt / ITER))
+    assert f"refusing to load {ckpt / ITER / 'common.pt'}" in _one_line(e)
+    assert not marker.exists()
+
+
+def test_code_in_transformer_engine_extra_state_is_refused(tmp_path):
+    """TE's set_extra_state unpickles a uint8 tensor: scanned before the model sees it."""
+    marker = tmp_path / "pwned"
+
+    def as_tensor(obj):
+        return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+
+    benign = {"scale_fwd": torch.ones(3), "extra_fp8_variables": {"num_gemms": 2}}
+    verify_loaded_extra_state({"decoder.layers.mlp.linear_fc1._extra_state": as_tensor(benign),
+                               "decoder.final_layernorm._extra_state": None}, "ckpt")
+    with pytest.raises(ConfigError) as e:
+        verify_loaded_extra_state({"decoder": {"linear_fc1._extra_state": as_tensor(
+            {"recipe": _System(marker)})}}, "ckpt")
+    assert "refusing to load ckpt (decoder.linear_fc1._extra_state)" in _one_line(e)
+    assert not marker.exists()
+
+
+# --- garbage --------------------------------------------------------------------------------
+GARBAGE = {
+    ".metadata": b"\x80\x04\x95 not a pickle at all",
+    "metadata.json": b"{not json",
+    "common.pt": b"PK\x03\x04 truncated zip",
+}
+
+
+@pytest.mark.parametrize("name", GARBAGE)
+def test_corrupt_metadata_is_one_line_naming_the_file(name, ckpt):
+    (ckpt / ITER / name).write_bytes(GARBAGE[name])
+    with pytest.raises(ConfigError) as e:
+        checkpointing.load(str(ckpt), {})
+    assert "corrupt checkpoint" in _one_line(e) and str(ckpt / ITER / name) in str(e.value)
+
+
+def test_truncated_dot_metadata_and_missing_files(ckpt):
+    path = ckpt / ITER / ".metadata"
+    path.write_bytes(path.read_bytes()[:1000])
+    with pytest.raises(ConfigError, match="corrupt checkpoint metadata .*\\.metadata"):
+        verify_checkpoint_metadata(str(ckpt / ITER))
+    path.unlink()
+    with pytest.raises(ConfigError, match="no \\.metadata"):
+        verify_checkpoint_metadata(str(ckpt / ITER))
+    (ckpt / ITER / "metadata.json").unlink()
+    with pytest.raises(ConfigError, match="not a distributed checkpoint"):
+        verify_checkpoint_metadata(str(ckpt / ITER))
+
+
+@pytest.mark.parametrize("text", [b"\xff\xfe\x00garbage", b"abc", b"7", b""])
+def test_corrupt_tracker_is_one_line(text, ckpt):
+    (ckpt / checkpointing.TRACKER).write_bytes(text)  # 7: no iter_0000007 directory
+    with pytest.raises(ConfigError) as e:
+        checkpointing.load(str(ckpt), {})
+    assert f"corrupt {checkpointing.TRACKER}" in _one_line(e)
+
+
+# --- non-finite weights are never saved -----------------------------------------------------
+def test_non_finite_weights_or_ema_refuse_the_save(saved):
+    _, out = saved
+    assert out["weight"] == ("refusing to save a checkpoint at step 7: decoder.final_layernorm."
+                             "weight is not finite (NaN or inf); the last good checkpoint is kept")
+    assert out["ema"].startswith("refusing to save a checkpoint at step 7: EMA of ")
+
+
+# --- one run per --save directory -----------------------------------------------------------
+def test_second_run_on_the_same_save_dir_is_refused(tmp_path):
+    first = SaveDirLock(str(tmp_path / "save")).acquire()
+    with pytest.raises(ConfigError) as e:
+        lock_save_dir(str(tmp_path / "save"))  # a separate open file: conflicts like a process
+    assert _one_line(e) == (f"--save {tmp_path / 'save'} is in use by another run (pid "
+                            f"{os.getpid()} on {socket.gethostname()}): two runs must not write "
+                            f"the same checkpoint directory")
+    first.release()
+    with lock_save_dir(str(tmp_path / "save")):  # free again
+        pass
+
+
+def test_lock_left_by_a_dead_run_does_not_block(tmp_path):
+    path = tmp_path / LOCK_NAME
+    code = ("import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); "
+            "fcntl.flock(fd, fcntl.LOCK_EX); os.write(fd, b'pid 999999 on elsewhere'); os._exit(9)")
+    subprocess.run([sys.executable, "-c", code, str(path)], check=False)
+    assert path.read_text() == "pid 999999 on elsewhere"  # the stale file is still there
+    lock = lock_save_dir(str(tmp_path))
+    assert lock.held and path.read_text().startswith(f"pid {os.getpid()} ")
+    lock.release()
+
+
+def test_the_optimizer_format_is_detected_and_a_switch_refused(saved):
+    _, out = saved
+    assert out["saved"]["optimizer"] == "local"
+    assert out["distributed"]["optimizer"] == "distributed:dp_reshardable"
+    assert out["switch"].endswith("the checkpoint was saved without --use-distributed-optimizer and "
+                                  "this run is with it; their optimizer states are stored "
+                                  "differently and cannot be converted: resume without "
+                                  "--use-distributed-optimizer")

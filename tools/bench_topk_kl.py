@@ -18,6 +18,15 @@ hits all alike), ``saved_bytes_per_token`` (distinct storages saved for backward
 ``torch.autograd.graph.saved_tensors_hooks``), ``comm_bytes_per_token`` (payload of every collective
 issued in forward + backward), ``max_abs_grad_err`` (logit gradient vs the fp64 single-device
 library on the gathered logits). Runs on CPU with gloo, or on GPU with nccl (``--device cuda``).
+
+On a GPU each row also has ``peak_mem_bytes`` (``torch.cuda.max_memory_allocated`` during one
+forward + backward, minus what was allocated before it: the op's own memory, the logit gradient
+included), and ``hbm_fraction``: the compulsory HBM traffic of the op (``hbm_floor_bytes`` = 3 x
+the logit shard: forward reads the logits, backward reads them again and writes their gradient)
+over ``fwd_bwd_ms``, as a fraction of the bandwidth a device-to-device copy reaches in the same run
+(``hbm_copy_gbps``, counting read + write). ``--out FILE`` writes everything as one JSON object.
+
+    python tools/bench_topk_kl.py --device cuda --tokens 16384 --vocab 151936 --dtype bfloat16 --out topk.json
 """
 
 from __future__ import annotations
@@ -44,14 +53,28 @@ def padded_vocab(vocab: int, tp: int, divisible_by: int = 128) -> int:
     return -(-vocab // m) * m
 
 
+def on_gpu() -> bool:
+    """Whether this rank really computes on a GPU (not Megatron's CPU mode)."""
+    from emapg_megatron import cpu_device
+
+    return torch.cuda.is_available() and not cpu_device.installed()
+
+
+def _randn(shape, seed: int, device, gpu: bool) -> torch.Tensor:
+    """Large random tensors: drawn on the GPU there (the CPU would take a minute at 16k x 152k)."""
+    if gpu:
+        return torch.randn(shape, generator=torch.Generator(device=device).manual_seed(seed), device=device)
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(device)
+
+
 def make_data(cfg: dict, group, tp: int, rank: int, device) -> dict:
     """This rank's logit shard and the per-token inputs (identical on every rank)."""
     from emapg_megatron.parallel import vocab_parallel_logprobs_at, vocab_parallel_topk
 
     t, v, k = cfg["tokens"], cfg["vocab"], cfg["k"]
+    gpu = on_gpu()
     width = padded_vocab(v, tp) // tp
-    g = torch.Generator().manual_seed(1000 + rank)
-    shard = torch.randn(t, width, generator=g) * 2.0
+    shard = _randn((t, width), 1000 + rank, device, gpu) * 2.0
     # Padding columns at -inf, so Megatron's CE (which normalises over them) computes the same
     # distribution as the methods that drop them.
     shard[:, max(0, min(v - rank * width, width)):] = -float("inf")
@@ -59,10 +82,11 @@ def make_data(cfg: dict, group, tp: int, rank: int, device) -> dict:
     g = torch.Generator().manual_seed(7)  # replicated per-token inputs
     tokens = torch.randint(0, v, (t,), generator=g).to(device)
     adv = torch.randn(t, generator=g).to(device)
-    old = shard.float() + 0.3 * torch.randn(shard.shape, generator=torch.Generator().manual_seed(2000 + rank)).to(device)
+    old = shard.float() + 0.3 * _randn(shard.shape, 2000 + rank, device, gpu)
     q, _ = vocab_parallel_topk(old, k, vocab_size=v, group=group)  # q = top-k of pi_old
     samp_y = vocab_parallel_logprobs_at(old, tokens, group=group, vocab_size=v)
-    anchor = shard.float() + 0.5 * torch.randn(shard.shape, generator=torch.Generator().manual_seed(3000 + rank)).to(device)
+    del old
+    anchor = shard.float() + 0.5 * _randn(shard.shape, 3000 + rank, device, gpu)
     ref_q = vocab_parallel_logprobs_at(anchor, q, group=group, vocab_size=v)
     ref_y = vocab_parallel_logprobs_at(anchor, tokens, group=group, vocab_size=v)
     return dict(shard=shard, tokens=tokens, adv=adv, q=q, samp_y=samp_y, ref_q=ref_q, ref_y=ref_y)
@@ -131,27 +155,68 @@ def method_fn(name: str, cfg: dict, d: dict, group, tp: int, rank: int):
     raise ValueError(f"unknown method {name!r}")
 
 
-def reference_grad(full_logits: torch.Tensor, d: dict, cfg: dict, objective: str) -> torch.Tensor:
-    """fp64 single-device library on the gathered logits, block by block over tokens."""
-    v = cfg["vocab"]
-    grad = torch.zeros(full_logits.shape, dtype=torch.float64)
+def reference_block_grad(logits_block: torch.Tensor, blk: dict, vocab: int, objective: str) -> torch.Tensor:
+    """fp64 single-device library on one block of tokens of the gathered logits (real columns)."""
+    x = logits_block[:, :vocab].double().requires_grad_(True)
+    blk = {n: (t.double() if t.is_floating_point() else t) for n, t in blk.items()}
+    logp = torch.log_softmax(x, dim=-1)
+    lp_y = logp.gather(-1, blk["tokens"].unsqueeze(-1)).squeeze(-1)
+    if objective == "ce":
+        loss = -lp_y.sum()
+    else:
+        from emapg_megatron.kl import topk_kl
+
+        kl = topk_kl(x, blk["tokens"], blk["q"], blk["ref_q"], blk["ref_y"], direction="reverse",
+                     tail="unbiased", sampling_logprob=blk["samp_y"], iw_clip=IW_CLIP)
+        loss = (-blk["adv"] * lp_y + BETA * kl).sum()
+    loss.backward()
+    return x.grad
+
+
+def grad_errors(grads: dict, full_logits: torch.Tensor, d: dict, cfg: dict) -> dict:
+    """max |grad - reference| per method, block by block over tokens on the logits' device.
+
+    ``grads``: method -> gathered logit gradient (any device). The reference gradient of the padding
+    columns is 0. Each block's references are computed once and compared with every method, so no
+    full-size fp64 gradient is ever held (at 16k x 152k it would be 20 GB).
+    """
+    v, dev = cfg["vocab"], full_logits.device
+    errs = dict.fromkeys(grads, 0.0)
     for t0 in range(0, full_logits.shape[0], REF_BLOCK):
         sl = slice(t0, t0 + REF_BLOCK)
-        x = full_logits[sl, :v].double().requires_grad_(True)
-        blk = {n: (t[sl].double() if t.is_floating_point() else t[sl]) for n, t in d.items() if n != "shard"}
-        logp = torch.log_softmax(x, dim=-1)
-        lp_y = logp.gather(-1, blk["tokens"].unsqueeze(-1)).squeeze(-1)
-        if objective == "ce":
-            loss = -lp_y.sum()
-        else:
-            from emapg_megatron.kl import topk_kl
+        blk = {n: t[sl].to(dev) for n, t in d.items() if n != "shard"}
+        refs = {}
+        for m, grad in grads.items():
+            objective = "ce" if m == "megatron_ce" else "policy"
+            if objective not in refs:
+                refs[objective] = reference_block_grad(full_logits[sl], blk, v, objective)
+            g = grad[sl].to(dev)
+            err = (g[:, :v].double() - refs[objective]).abs().max().item()
+            if g.shape[-1] > v:
+                err = max(err, g[:, v:].double().abs().max().item())
+            errs[m] = max(errs[m], err)
+    return errs
 
-            kl = topk_kl(x, blk["tokens"], blk["q"], blk["ref_q"], blk["ref_y"], direction="reverse",
-                         tail="unbiased", sampling_logprob=blk["samp_y"], iw_clip=IW_CLIP)
-            loss = (-blk["adv"] * lp_y + BETA * kl).sum()
-        loss.backward()
-        grad[sl, :v] = x.grad
-    return grad
+
+def measure_hbm_bandwidth(device, nbytes: int = 2 << 30, repeats: int = 10) -> dict:
+    """Device-to-device copy bandwidth (read + write counted), median of ``repeats``."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    torch.cuda.empty_cache()
+    seconds = statistics.median(times)
+    return {"hbm_copy_bytes": nbytes, "hbm_copy_s": seconds, "hbm_copy_gbps": 2 * nbytes / seconds / 1e9}
 
 
 def _sync(device):
@@ -179,8 +244,10 @@ def bench_worker(cfg: dict) -> list:
     if cfg["threads"]:
         torch.set_num_threads(cfg["threads"])
     device = runtime.device()
+    gpu = on_gpu()
     group = ps.get_tensor_model_parallel_group()
     tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    hbm = measure_hbm_bandwidth(device) if gpu else {}  # before the data fills the memory
     d = make_data(cfg, group, tp, rank, device)
     t = cfg["tokens"]
     fns = {m: method_fn(m, cfg, d, group, tp, rank) for m in cfg["methods"]}
@@ -188,11 +255,32 @@ def bench_worker(cfg: dict) -> list:
     def fresh():
         return d["shard"].clone().requires_grad_(True)
 
+    # Timed runs, methods interleaved (first, while nothing else is held: peak memory is the op's).
+    times = {m: [] for m in fns}
+    peaks = {m: [] for m in fns}
+    for fn in fns.values():  # warm-up: kernels, autotuning, the caching allocator's first blocks
+        x = fresh()
+        fn(x).backward()
+        del x
+    for _ in range(cfg["repeats"]):
+        for m, fn in fns.items():
+            x = fresh()
+            if tp > 1:
+                dist.barrier(group=group)
+            _sync(device)
+            if gpu:
+                torch.cuda.reset_peak_memory_stats()
+                before = torch.cuda.memory_allocated()
+            t0 = time.perf_counter()
+            fn(x).backward()
+            _sync(device)
+            times[m].append((time.perf_counter() - t0) * 1e3)
+            if gpu:
+                peaks[m].append(torch.cuda.max_memory_allocated() - before)
+            del x
     # One accounted (untimed) run per method: saved bytes, collectives, gradient error.
-    full = _all_gather_cols(d["shard"], group, tp).cpu()
-    full = full if rank == 0 else None
-    refs = {}
     stats = {}
+    grads = {}
     for m, fn in fns.items():
         x = fresh()
         with CollectiveCounter() as cc:
@@ -200,48 +288,50 @@ def bench_worker(cfg: dict) -> list:
                 loss = fn(x)
             loss.backward()
         grad = _all_gather_cols(x.grad, group, tp)
-        row = dict(saved=sb.bytes / t, comm=cc.bytes / t, collectives=cc.count)
-        if rank == 0:
-            objective = "ce" if m == "megatron_ce" else "policy"
-            if objective not in refs:
-                refs[objective] = reference_grad(full, {n: v.cpu() for n, v in d.items()}, cfg, objective)
-            row["err"] = (grad.cpu().double() - refs[objective]).abs().max().item()
-        stats[m] = row
+        stats[m] = dict(saved=sb.bytes / t, comm=cc.bytes / t, collectives=cc.count)
+        if rank == 0 and cfg.get("grad_check", True):
+            grads[m] = grad.cpu()  # host copies: five full gradients would not fit beside the data
         del x, grad, loss
-    # Timed runs, methods interleaved.
-    times = {m: [] for m in fns}
-    for _ in range(cfg["repeats"]):
-        for m, fn in fns.items():
-            x = fresh()
-            if tp > 1:
-                dist.barrier(group=group)
-            _sync(device)
-            t0 = time.perf_counter()
-            fn(x).backward()
-            _sync(device)
-            times[m].append((time.perf_counter() - t0) * 1e3)
-            del x
+    errs = {}
+    if cfg.get("grad_check", True):
+        full = _all_gather_cols(d["shard"], group, tp)  # a collective: every rank takes part
+        if rank == 0:
+            errs = grad_errors(grads, full, d, cfg)
+        del full, grads
     if rank != 0:
-        return []
+        return {}
     width = d["shard"].shape[-1]
+    elt = d["shard"].element_size()
+    floor_bytes = 3 * t * width * elt  # read the logits (fwd), read them again + write the grad (bwd)
     rows = []
     for m in fns:
-        rows.append(dict(
+        ms = statistics.median(times[m])
+        row = dict(
             method=m, tp=tp, tokens=t, vocab=cfg["vocab"], k=cfg["k"],
-            fwd_bwd_ms=round(statistics.median(times[m]), 2),
+            fwd_bwd_ms=round(ms, 2),
             saved_bytes_per_token=round(stats[m]["saved"], 1),
             comm_bytes_per_token=round(stats[m]["comm"], 1),
-            max_abs_grad_err=stats[m]["err"],
+            max_abs_grad_err=errs.get(m),
             collectives=stats[m]["collectives"],
-            logits_row_bytes=width * d["shard"].element_size(),
-            dtype=str(cfg["dtype"]).replace("torch.", ""), device=device.type,
+            logits_row_bytes=width * elt,
+            dtype=str(cfg["dtype"]).replace("torch.", ""), device="cuda" if gpu else "cpu",
             chunk_size=cfg["chunk_size"], repeats=cfg["repeats"], threads=torch.get_num_threads(),
             fwd_bwd_ms_all=[round(x, 1) for x in times[m]],
-        ))
-    return rows
+        )
+        if gpu:
+            peak = max(peaks[m])
+            row.update(peak_mem_bytes=peak, peak_mem_bytes_per_token=round(peak / t, 1),
+                       peak_mem_over_logits=round(peak / (t * width * elt), 3),
+                       hbm_floor_bytes=floor_bytes,
+                       hbm_fraction=round(floor_bytes / (ms / 1e3) / (hbm["hbm_copy_gbps"] * 1e9), 4),
+                       **hbm)
+        rows.append(row)
+    meta = {"device_name": torch.cuda.get_device_name() if gpu else "cpu", "hardware": "cuda" if gpu else "cpu",
+            "torch": str(torch.__version__), **hbm}
+    return {"rows": rows, "meta": meta}
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--tokens", type=int, default=4096)
@@ -256,6 +346,15 @@ def main(argv=None) -> int:
                         "stalls of busy cores out of the comparison")
     p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     p.add_argument("--json", action="store_true", help="one JSON object per method")
+    p.add_argument("--out", default=None, help="also write {meta, rows} as one JSON object to this file")
+    p.add_argument("--no-grad-check", dest="grad_check", action="store_false",
+                   help="skip the fp64 reference gradient (max_abs_grad_err is null)")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds before the ranks are killed")
+    return p
+
+
+def main(argv=None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     if args.tp < 1 or args.tokens < 1 or args.vocab < 1 or not 0 <= args.k <= args.vocab or args.repeats < 1:
         p.error("need --tp, --tokens, --vocab, --repeats >= 1 and 0 <= --k <= --vocab")
@@ -265,18 +364,31 @@ def main(argv=None) -> int:
     from emapg_megatron.multiprocess import run_distributed
 
     cfg = dict(tokens=args.tokens, vocab=args.vocab, k=args.k, repeats=args.repeats, dtype=args.dtype,
-               chunk_size=args.chunk_size, methods=args.methods, threads=args.threads)
-    rows = run_distributed(bench_worker, args.tp, tp=args.tp, args=(cfg,), device=device, timeout=3600)[0]
+               chunk_size=args.chunk_size, methods=args.methods, threads=args.threads,
+               grad_check=args.grad_check)
+    result = run_distributed(bench_worker, args.tp, tp=args.tp, args=(cfg,), device=device,
+                             timeout=args.timeout)[0]
+    rows = result["rows"]
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w", encoding="utf-8") as f:
+            json.dump({"benchmark": "topk_kl", "args": vars(args), "meta": result["meta"], "rows": rows}, f, indent=1)
     if args.json:
         for row in rows:
             print(json.dumps(row))
         return 0
     ce = next((r["fwd_bwd_ms"] for r in rows if r["method"] == "megatron_ce"), None)
-    print(f"{'method':22s} {'ms':>9s} {'x CE':>6s} {'saved B/tok':>12s} {'comm B/tok':>11s} {'grad err':>9s}")
+    gpu = "hbm_fraction" in rows[0]
+    print(f"{'method':22s} {'ms':>9s} {'x CE':>6s} {'saved B/tok':>12s} {'comm B/tok':>11s} {'grad err':>9s}"
+          + (f" {'peak GiB':>9s} {'HBM frac':>8s}" if gpu else ""))
     for r in rows:
         ratio = f"{r['fwd_bwd_ms'] / ce:6.2f}" if ce else "     -"
+        err = f"{r['max_abs_grad_err']:9.2e}" if r["max_abs_grad_err"] is not None else f"{'-':>9s}"
         print(f"{r['method']:22s} {r['fwd_bwd_ms']:9.1f} {ratio} {r['saved_bytes_per_token']:12.1f} "
-              f"{r['comm_bytes_per_token']:11.1f} {r['max_abs_grad_err']:9.2e}")
+              f"{r['comm_bytes_per_token']:11.1f} {err}"
+              + (f" {r['peak_mem_bytes'] / 2**30:9.2f} {r['hbm_fraction']:8.3f}" if gpu else ""))
+    if gpu:
+        print(f"device-to-device copy: {rows[0]['hbm_copy_gbps']:.0f} GB/s")
     return 0
 
 

@@ -1,0 +1,264 @@
+"""The GPU check: the GPU test set and the GPU benchmarks, each writing JSON, in one command.
+
+    bash tools/gpu_check.sh [OUT_DIR]          # = python tools/run_gpu_checks.py [OUT_DIR]
+    bash tools/gpu_check.sh --dry-run          # list the stages and their commands, run nothing
+
+Stages, in order, each with its own time limit inside a total budget (default 590 s, so the whole
+command ends within 10 minutes on one H100):
+
+* ``env``           versions of torch, CUDA, the GPU, Megatron-Core, TE, vLLM -> env.json
+                    (stage limits: env 30 s, tests 290 s, bench_topk_kl 90 s, bench_train 175 s;
+                    whether TE and vLLM really import shows in the tests' skip reasons)
+* ``tests``         ``pytest -m gpu tests/gpu`` -> pytest.xml (JUnit) and pytest.json
+* ``bench_topk_kl`` fused Top-k KL vs Megatron's vocab_parallel_cross_entropy, bf16, T = 16384
+                    tokens, V = 151936: time, peak memory, fraction of the measured HBM bandwidth
+                    -> bench_topk_kl.json
+* ``bench_train``   20 bf16 trainer steps of a Qwen2.5-0.5B-shaped model: step time, tokens/s,
+                    peak memory -> bench_train.json
+
+then ``summary.json`` and a printed summary. Exit status 1 if a stage failed or a test failed
+(skipped tests are fine: they say which optional package is missing). Works offline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_OUT = os.path.join("runs", "gpu_check")
+TOTAL_BUDGET_S = 590.0
+
+OFFLINE_ENV = dict(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+                   VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", CUDA_DEVICE_MAX_CONNECTIONS="1")
+
+ENV_PROBE = r"""
+import json, sys
+import torch
+info = {"python": sys.version.split()[0], "torch": str(torch.__version__), "cuda": torch.version.cuda,
+        "cuda_available": torch.cuda.is_available()}
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    info.update(gpu=p.name, capability=list(torch.cuda.get_device_capability(0)),
+                gpu_memory_gib=round(p.total_memory / 2**30, 1), gpus=torch.cuda.device_count(),
+                nccl=".".join(map(str, torch.cuda.nccl.version())))
+from importlib import metadata
+for dist in ("megatron-core", "transformers", "triton", "transformer-engine", "transformer-engine-torch",
+             "vllm", "flashinfer-python"):
+    try:
+        info[dist] = metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        info[dist] = None
+json.dump(info, open(sys.argv[1], "w"), indent=1)
+print(json.dumps(info))
+"""
+
+
+@dataclass
+class Stage:
+    name: str
+    what: str
+    timeout_s: float
+    argv: list = field(default_factory=list)  # {out} is replaced by the output directory
+    result: str = ""  # the JSON file the stage writes, under {out}
+
+
+def stages(python: str = sys.executable, pytest_timeout_plugin: bool = True) -> list[Stage]:
+    test_argv = [python, "-m", "pytest", "-m", "gpu", "tests/gpu", "-q", "-rs", "-p", "no:cacheprovider",
+                 "--junitxml", "{out}/pytest.xml", "-o", "junit_family=xunit2"]
+    if pytest_timeout_plugin:
+        test_argv += ["--timeout", "240"]  # one hung test must not eat the benchmarks' time
+    return [
+        Stage("env", "versions of torch, CUDA, the GPU, Megatron-Core, TE, vLLM", 30,
+              [python, "-c", ENV_PROBE, "{out}/env.json"], "env.json"),
+        Stage("tests", "pytest -m gpu tests/gpu (>= 8 tests)", 290, test_argv, "pytest.json"),
+        Stage("bench_topk_kl", "fused Top-k KL vs Megatron CE, bf16, T=16384, V=151936", 90,
+              [python, "tools/bench_topk_kl.py", "--device", "cuda", "--tp", "1", "--tokens", "16384",
+               "--vocab", "151936", "--k", "32", "--dtype", "bfloat16", "--repeats", "5",
+               "--timeout", "80", "--out", "{out}/bench_topk_kl.json"],
+              "bench_topk_kl.json"),
+        Stage("bench_train", "20 bf16 trainer steps, Qwen2.5-0.5B shapes, random init", 175,
+              [python, "tools/bench_gpu_train.py", "--out", "{out}/bench_train.json", "--steps", "20",
+               "--timeout", "140"],
+              "bench_train.json"),
+    ]
+
+
+def fill(argv: list, out: str) -> list:
+    return [a.replace("{out}", out) for a in argv]
+
+
+# --- JUnit XML -> JSON ------------------------------------------------------------------------
+def junit_to_json(xml_path: str) -> dict:
+    """Counts and one entry per test (outcome, seconds, the skip reason or failure message)."""
+    root = ET.parse(xml_path).getroot()
+    tests = []
+    for case in root.iter("testcase"):
+        outcome, message = "passed", ""
+        for tag in ("failure", "error", "skipped"):
+            node = case.find(tag)
+            if node is not None:
+                outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[tag]
+                message = (node.get("message") or node.text or "").strip()[:2000]
+                break
+        tests.append({"id": f"{case.get('classname', '')}::{case.get('name', '')}", "outcome": outcome,
+                      "seconds": float(case.get("time") or 0.0), "message": message})
+    counts = {k: sum(t["outcome"] == k for t in tests) for k in ("passed", "failed", "error", "skipped")}
+    return {"counts": counts, "total": len(tests), "tests": tests}
+
+
+# --- running ------------------------------------------------------------------------------------
+def child_env() -> dict:
+    """This process's environment, offline, with the repository importable."""
+    env = dict(os.environ, **OFFLINE_ENV)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
+    return env
+
+
+def run_logged(argv: list, log_path: str, timeout_s: float, env: dict):
+    """Run ``argv`` in its own process group with its output in ``log_path``: its exit status, or
+    "timeout" after the whole group (torchrun and its ranks too) was killed at ``timeout_s``."""
+    with open(log_path, "w", encoding="utf-8") as log:
+        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            return proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            return "timeout"
+
+
+def run_stage(stage: Stage, out: str, timeout_s: float) -> dict:
+    log_path = os.path.join(out, f"{stage.name}.log")
+    t0 = time.monotonic()
+    rc = run_logged(fill(stage.argv, out), log_path, timeout_s, child_env())
+    res = {"stage": stage.name, "returncode": rc, "seconds": round(time.monotonic() - t0, 1),
+           "timeout_s": round(timeout_s, 1), "log": log_path}
+    if stage.name == "tests":
+        xml = os.path.join(out, "pytest.xml")
+        if os.path.exists(xml):
+            with open(os.path.join(out, "pytest.json"), "w", encoding="utf-8") as f:
+                json.dump(junit_to_json(xml), f, indent=1)
+    return res
+
+
+def load(path: str):
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def stage_ok(res: dict, data) -> bool:
+    if res["returncode"] != 0 or data is None:
+        return False
+    if res["stage"] == "env":
+        return bool(data.get("cuda_available"))  # the GPU check on a machine without one fails here
+    if res["stage"] == "tests":
+        c = data["counts"]
+        return c["failed"] == 0 and c["error"] == 0 and data["total"] >= 8 and c["passed"] >= 1
+    return True
+
+
+def summarize(out: str, results: list[dict]) -> dict:
+    summary = {"out_dir": out, "stages": []}
+    for res in results:
+        stage = next(s for s in stages() if s.name == res["stage"])
+        data = load(os.path.join(out, stage.result))
+        entry = {**res, "ok": stage_ok(res, data), "result": stage.result}
+        if res["stage"] == "env" and data:
+            entry["highlights"] = {k: data.get(k) for k in ("gpu", "torch", "cuda", "megatron-core",
+                                                              "transformer-engine", "vllm")}
+        elif res["stage"] == "tests" and data:
+            entry["highlights"] = {**data["counts"], "total": data["total"],
+                                   "not_passed": {t["id"]: f"{t['outcome']}: {t['message'][:300]}"
+                                                  for t in data["tests"] if t["outcome"] != "passed"}}
+        elif res["stage"] == "bench_topk_kl" and data:
+            entry["highlights"] = {
+                "hbm_copy_gbps": round(data["meta"].get("hbm_copy_gbps", 0.0)),
+                "methods": {r["method"]: {"ms": r["fwd_bwd_ms"],
+                                          "peak_GiB": round(r["peak_mem_bytes"] / 2**30, 2)
+                                          if r.get("peak_mem_bytes") is not None else None,
+                                          "hbm_fraction": r.get("hbm_fraction"),
+                                          "grad_err": r.get("max_abs_grad_err")} for r in data["rows"]}}
+        elif res["stage"] == "bench_train" and data:
+            s = data.get("summary") or {}
+            entry["highlights"] = {
+                "steps_logged": data.get("steps_logged"),
+                "step_time_s_median": (s.get("step_time_s") or {}).get("median"),
+                "tokens_per_s_median": (s.get("tokens_per_s") or {}).get("median"),
+                "max_memory_allocated_gib": s.get("max_memory_allocated_gib")}
+        summary["stages"].append(entry)
+    summary["ok"] = all(e["ok"] for e in summary["stages"])
+    return summary
+
+
+def print_summary(summary: dict) -> None:
+    print("\n=== GPU check summary ===")
+    for e in summary["stages"]:
+        print(f"[{'ok' if e['ok'] else 'FAIL':4s}] {e['stage']:14s} {e['seconds']:7.1f}s "
+              f"(limit {e['timeout_s']:.0f}s, exit {e['returncode']})  -> {e['result']}")
+        for k, v in (e.get("highlights") or {}).items():
+            if isinstance(v, dict):
+                print(f"         {k}:")
+                for k2, v2 in v.items():
+                    print(f"           {k2}: {v2}")
+            else:
+                print(f"         {k}: {v}")
+    print(f"overall: {'ok' if summary['ok'] else 'FAILED'}; files in {summary['out_dir']}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("out_dir", nargs="?", default=DEFAULT_OUT, help=f"where the JSON goes (default {DEFAULT_OUT})")
+    p.add_argument("--dry-run", action="store_true", help="print the stages and their commands, run nothing")
+    p.add_argument("--only", nargs="+", default=None, help="run only these stages")
+    p.add_argument("--budget", type=float, default=TOTAL_BUDGET_S, help="seconds for all stages together")
+    a = p.parse_args(argv)
+    import importlib.util
+
+    plan = stages(pytest_timeout_plugin=importlib.util.find_spec("pytest_timeout") is not None)
+    names = [s.name for s in plan]
+    unknown = sorted(set(a.only or []) - set(names))
+    if unknown:
+        p.error(f"unknown stage(s) {unknown}; stages are {names}")
+    plan = [s for s in plan if a.only is None or s.name in a.only]
+    out = os.path.abspath(a.out_dir)
+    if a.dry_run:
+        print(json.dumps({"out_dir": out, "budget_s": a.budget, "stages": [
+            {"name": s.name, "what": s.what, "timeout_s": s.timeout_s, "writes": s.result,
+             "command": fill(s.argv, out)} for s in plan]}, indent=1))
+        return 0
+    os.makedirs(out, exist_ok=True)
+    deadline = time.monotonic() + a.budget
+    results = []
+    for s in plan:
+        left = deadline - time.monotonic()
+        if left < 5:
+            results.append({"stage": s.name, "returncode": "no time left", "seconds": 0.0, "timeout_s": 0.0,
+                            "log": None})
+            continue
+        print(f"--- {s.name}: {s.what} (limit {min(s.timeout_s, left):.0f}s)", flush=True)
+        results.append(run_stage(s, out, min(s.timeout_s, left)))
+    summary = summarize(out, results)
+    with open(os.path.join(out, "summary.json"), "w", encoding="utf-8") as f:
+        json.dump(summary, f, indent=1)
+    print_summary(summary)
+    return 0 if summary["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -19,8 +19,9 @@ from emapg_megatron.algo.advantages import compute_advantages
 from emapg_megatron.algo.policy_loss import LossConfig, normaliser, policy_loss_terms
 from emapg_megatron.kl import loss_type, uses_topk
 from emapg_megatron.tasks.base import encode_text
+from emapg_megatron.training import checkpointing
 from emapg_megatron.training.collectives import gather_cat, reduce_sum
-from emapg_megatron.training.model_and_optimizer import zero_grads
+from emapg_megatron.training.model_and_optimizer import unwrap, zero_grads
 from emapg_megatron.training.optimizer_step import check_weights, step_if_finite
 from emapg_megatron.training.schedule import (concat_outputs, forward_backward, forward_only,
                                               split_microbatches)
@@ -163,6 +164,32 @@ class Trainer:
         self.skipped_steps = 0
         self.monitor = monitor
         self.monitor_sequences = monitor_sequences
+
+    # --- checkpoint state ----------------------------------------------------------------
+    def sharded_state_dict(self, *, is_loading: bool = False) -> dict:
+        """Model, optimizer and EMA anchor, sharded for Megatron's dist_checkpointing."""
+        model_sd = unwrap(self.model_chunks[0]).sharded_state_dict()
+        optim_sd = checkpointing.optimizer_sharded_state_dict(self.optimizer, model_sd, is_loading=is_loading)
+        return {"model": model_sd, "optimizer": optim_sd, "ema": self.anchor.sharded_state_dict(model_sd)}
+
+    def common_state_dict(self) -> dict:
+        """The replicated state: LR schedule and the skipped-step count."""
+        return {"scheduler": self.scheduler.state_dict(), "skipped_steps": self.skipped_steps}
+
+    def prepare_to_load(self, path: str) -> None:
+        """Check the checkpoint's EMA layout (one clear line) and create the optimizer state."""
+        self.anchor.check_checkpoint(path)
+        checkpointing.materialize_optimizer_state(self.model_chunks, self.optimizer)
+
+    def load_state_dict(self, loaded: dict) -> None:
+        """Take what ``checkpointing.load`` returned for :meth:`sharded_state_dict`."""
+        unwrap(self.model_chunks[0]).load_state_dict(loaded["model"])
+        with torch.no_grad():  # fp32 DistOpt main params are views of the (grad-requiring) weights
+            self.optimizer.load_state_dict(loaded["optimizer"])
+        checkpointing.restore_adam_steps(self.optimizer, loaded["optimizer"])
+        self.anchor.load_state_dict(loaded["ema"])
+        self.scheduler.load_state_dict(loaded["common"]["scheduler"])
+        self.skipped_steps = loaded["common"]["skipped_steps"]
 
     # --- parallel layout helpers -------------------------------------------------------
     @staticmethod

@@ -111,10 +111,9 @@ def pipeline_step(chunks, opt, anchor, iteration, seed):
     from emapg_megatron.training.model_and_optimizer import zero_grads
 
     zero_grads(chunks, opt)
-    from megatron.core.distributed import finalize_model_grads
-
+    # The schedule ends with Megatron's finalize_model_grads (the model config's hook): the DP sync
+    # and the tied embedding grads of the first and last stage.
     losses = run_schedule(chunks, [batch(seed + i, n=2) for i in range(2)])
-    finalize_model_grads(chunks)  # DP sync and the tied embedding grads of the first and last stage
     opt.step()
     anchor.step(iteration)
     return torch.stack(losses) if losses else torch.empty(0)

@@ -317,8 +317,7 @@ def gpt_policy_run(ckpt_dir: str, save: bool) -> dict:
     out = get_forward_backward_func()(
         forward_step_func=_policy_forward_step, data_iterator=iter(micro), model=chunks,
         num_microbatches=len(micro), seq_length=micro[0][0].shape[1], micro_batch_size=micro[0][0].shape[0],
-    )
-    chunks[0].finish_grad_sync()
+    )  # the schedule ends with Megatron's finalize_model_grads (the model config's hook)
     losses = [d["loss"] for d in out]
     dims = {}
     for name, p in gpt.named_parameters():  # how TP shards each parameter (-1: replicated)

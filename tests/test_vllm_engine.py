@@ -227,12 +227,12 @@ def test_vllm_round_trip_on_gpu(tmp_path):
     assert res["freed_bytes"] > 1 << 30  # sleeping released the KV cache (>= 1 GiB)
 
 
-# --- wiring in train.py ------------------------------------------------------------------
+# --- wiring in build.py ------------------------------------------------------------------
 def test_trainer_builds_the_vllm_engine_with_its_layout(monkeypatch, tmp_path):
     """--rollout-engine vllm: the engine learns the trainer's TP and PP (so a model-parallel
     group shares one batch) and gets the model chunks. It is not synced yet: a resume loads
     weights into those chunks afterwards, so the first generate syncs (lazily, in the engine)."""
-    from emapg_megatron import train
+    from emapg_megatron import build
     from emapg_megatron.arguments import parse_args
     from emapg_megatron.rollout import vllm_engine
 
@@ -251,7 +251,7 @@ def test_trainer_builds_the_vllm_engine_with_its_layout(monkeypatch, tmp_path):
                        "--tensor-model-parallel-size", "4", "--pipeline-model-parallel-size", "2",
                        "--vllm-tensor-parallel-size", "2", "--vllm-weight-sync-bucket-mb", "64"])
     chunks = ["chunk"]
-    engine = train.build_rollout_engine(args, chunks, ModelConfig(), tokenizer=None)
+    engine = build.build_rollout_engine(args, chunks, ModelConfig(), tokenizer=None)
     assert made == [engine] and engine.synced == 0
     assert engine.kwargs["model_chunks"] is chunks
     assert engine.kwargs["trainer_tp"] == 4 and engine.kwargs["pipeline_parallel"] == 2

@@ -12,13 +12,12 @@ def train_steps(argv: list, steps: int):
     """
     from megatron.core import parallel_state as ps
 
-    from emapg_megatron import train
+    from emapg_megatron import build
     from emapg_megatron.training.model_and_optimizer import global_param_name, unwrap
 
-    args, model_cfg = train.prepare(argv)
-    tokenizer, task = train.build_tokenizer_and_task(args)
-    prompts = train.load_prompts(args, tokenizer, task)
-    trainer = train.build_run(args, tokenizer, task, model_cfg, prompts.rows)
+    inputs = build.prepare(argv)
+    model_cfg = inputs.model_cfg
+    trainer = build.build_trainer(inputs)
     metrics = [trainer.step(i) for i in range(1, steps + 1)]
     gpt = unwrap(trainer.model_chunks[0])
     tp_rank = ps.get_tensor_model_parallel_rank()
@@ -33,14 +32,12 @@ def train_steps(argv: list, steps: int):
 
 def train_each_loss_type(base_argv: list, loss_types: list, steps: int):
     """``steps`` trainer steps with each ``--kl-loss-type`` in turn: {type: last step's metrics}."""
-    from emapg_megatron import train
+    from emapg_megatron import build
 
     out = {}
     for name in loss_types:
         extra = ["--kl-alpha", "0.7"] if name == "topk-alpha" else []
-        args, model_cfg = train.prepare([*base_argv, "--kl-loss-type", name, *extra])
-        tokenizer, task = train.build_tokenizer_and_task(args)
-        trainer = train.build_run(args, tokenizer, task, model_cfg, train.load_prompts(args, tokenizer, task).rows)
+        trainer = build.build_trainer(build.prepare([*base_argv, "--kl-loss-type", name, *extra]))
         out[name] = [trainer.step(i) for i in range(1, steps + 1)][-1]
     return out
 

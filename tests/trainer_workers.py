@@ -5,7 +5,7 @@ import math
 import torch
 
 from emapg_megatron.arguments import parse_args
-from emapg_megatron.train import model_config
+from emapg_megatron.build import model_config
 
 
 def save_initial_weights(ckpt_dir: str, argv: list, poison: bool = False):

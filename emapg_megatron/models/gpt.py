@@ -213,7 +213,7 @@ def transformer_config(cfg: ModelConfig, tp: int, pp: int, prec: PrecisionConfig
 
 
 class LocalRMSNorm(torch.nn.RMSNorm):
-    """The local spec's RMSNorm, usable under sequence parallelism.
+    """The local spec's RMSNorm, built on the device and usable under sequence parallelism.
 
     Megatron's ``WrappedTorchNorm`` refuses sequence parallelism because a plain torch norm does
     not mark its weight: under SP each TP rank sees a slice of the sequence, so the weight's
@@ -222,7 +222,8 @@ class LocalRMSNorm(torch.nn.RMSNorm):
     """
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-5, **unused):
-        super().__init__(hidden_size, eps=eps)
+        # On the device, as Megatron's own layers request it (torch's norm takes no device by default).
+        super().__init__(hidden_size, eps=eps, device=torch.cuda.current_device())
         self.weight.sequence_parallel = config.sequence_parallel
 
 

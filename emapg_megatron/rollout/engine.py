@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
+import warnings
+
 import torch
 import torch.distributed as dist
 
@@ -42,6 +44,15 @@ class RolloutEngine(Protocol):
 
     def metrics(self) -> dict:
         """Per-step engine metrics for the log, e.g. the last weight sync's ``weight_sync_s``."""
+
+
+def warn_if_truncated_sampling(top_p: float, top_k: int = 0) -> None:
+    if top_p < 1.0 or top_k > 0:
+        warnings.warn(
+            "top_p < 1 / top_k sampling: tokens do not come from pi, so the KL estimators rely "
+            "on the importance weight with the truncated distribution's log-prob (recorded)",
+            stacklevel=2,
+        )
 
 
 def build_rollout_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],

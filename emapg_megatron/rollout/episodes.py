@@ -14,7 +14,8 @@ from typing import Any, Callable
 
 import torch
 
-from emapg_megatron.rollout.engine import RolloutBatch, build_rollout_batch
+from emapg_megatron.rollout.engine import RolloutBatch, build_rollout_batch, warn_if_truncated_sampling
+from emapg_megatron.tasks.base import encode_text
 
 
 @dataclass
@@ -70,8 +71,6 @@ class Episode:
         return max(0, min(self.env.max_turn_tokens or default, self.room()))
 
     def add_turn(self, turn: Turn) -> None:
-        from emapg_megatron.tasks.base import encode_text
-
         before = len(self.env.segments)
         self.env.step(turn.text, token_ids=turn.token_ids)
         new = self.env.segments[before:]
@@ -117,8 +116,6 @@ def run_episodes(continue_fn: Callable[..., list[Turn]], prompts: Sequence[Seque
     ``max_turn_tokens``, else ``max_new_tokens``, and never past ``seq_length``), then lets
     its environment answer. The batch's loss mask is 0 on observations.
     """
-    from emapg_megatron.rollout.megatron_sampler import warn_if_truncated_sampling
-
     warn_if_truncated_sampling(top_p)
     if len(envs) != len(prompts) * n:
         raise ValueError(f"{len(envs)} environments for {len(prompts)} prompts x {n} samples")

@@ -12,25 +12,15 @@ layout-equivalence tests.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
 from emapg_megatron import runtime
-from emapg_megatron.rollout.engine import RolloutBatch, build_rollout_batch
+from emapg_megatron.rollout.engine import RolloutBatch, build_rollout_batch, warn_if_truncated_sampling
 from emapg_megatron.rollout.episodes import Turn, run_episodes
 from emapg_megatron.training.schedule import forward_only, split_microbatches
-
-
-def warn_if_truncated_sampling(top_p: float, top_k: int = 0) -> None:
-    if top_p < 1.0 or top_k > 0:
-        warnings.warn(
-            "top_p < 1 / top_k sampling: tokens do not come from pi, so the KL estimators rely "
-            "on the importance weight with the truncated distribution's log-prob (recorded)",
-            stacklevel=2,
-        )
 
 
 def sample_from_logits(logits: torch.Tensor, uniforms: torch.Tensor, temperature: float,

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from emapg_megatron.rollout.engine import RolloutBatch, build_rollout_batch
+from emapg_megatron.rollout.engine import RolloutBatch, build_rollout_batch, warn_if_truncated_sampling
 from emapg_megatron.rollout.episodes import Episode, Turn, run_episodes
 from emapg_megatron.runtime import ConfigError
 
@@ -326,8 +326,6 @@ class VLLMEngine:
                  seq_index: Sequence[int] | None = None) -> RolloutBatch:
         """``n`` samples per prompt, prompt-major. ``seq_index`` is each sequence's index in the
         global batch (as for the Megatron sampler); it keys the per-prompt seeds."""
-        from emapg_megatron.rollout.megatron_sampler import warn_if_truncated_sampling
-
         warn_if_truncated_sampling(top_p)
         longest = max((len(p) for p in prompts), default=0)
         if longest + max_new_tokens > self.seq_length:

@@ -273,15 +273,13 @@ def units_job() -> dict:
 
 # --- the trainer, in process ------------------------------------------------------------------
 def build_trainer(argv: list):
-    """The Trainer ``emapg_megatron.train.run(argv)`` builds, by the same steps (prepare, tokenizer
-    and task, prompts, build_run), after the process group that run_distributed set up."""
-    from emapg_megatron import train
+    """The Trainer ``emapg_megatron.train.run(argv)`` builds (``build.prepare`` then
+    ``build.build_trainer``), after the process group that run_distributed set up."""
+    from emapg_megatron import build
 
-    args, model_cfg = train.prepare(list(argv))
-    tokenizer, task = train.build_tokenizer_and_task(args)
-    rows = train.load_prompts(args, tokenizer, task).rows
-    _reseed(args.seed)  # the RNG state runtime.initialize left: every build in a process starts alike
-    return train.build_run(args, tokenizer, task, model_cfg, rows)
+    inputs = build.prepare(list(argv))
+    _reseed(inputs.args.seed)  # the RNG state runtime.initialize left: every build in a process starts alike
+    return build.build_trainer(inputs)
 
 
 def trainer_job(argv: list, steps: int = 2) -> dict:

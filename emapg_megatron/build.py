@@ -1,0 +1,229 @@
+"""Build a run from the command line: inputs first (no process group), then its components.
+
+:func:`prepare` parses and validates every flag and loads what needs no process group (model
+shape, tokenizer, task, checked prompts), so bad input stops before any work. After
+``runtime.initialize``, :func:`build_trainer` builds the model, optimizer, LR schedule, EMA
+anchor, rollout engine and the :class:`~emapg_megatron.trainer.Trainer` that orchestrates them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from emapg_megatron import arguments
+from emapg_megatron.runtime import ConfigError
+
+
+@dataclass
+class RunInputs:
+    """What a run needs before its process group: validated flags, model shape, data."""
+
+    args: object
+    """The parsed and validated flags."""
+    model_cfg: object
+    """The architecture (:class:`~emapg_megatron.models.gpt.ModelConfig`)."""
+    tokenizer: object
+    """Tokenizer of the task's prompts and responses."""
+    task: object
+    """The RL task: prompts and rewards."""
+    prompts: object
+    """The checked training prompts (:class:`~emapg_megatron.training.prompt_data.TrainingPrompts`)."""
+
+
+def prepare(argv=None) -> RunInputs:
+    """Parse, validate and load everything that needs no process group (bad input stops here)."""
+    args = arguments.parse_args(argv)
+    arguments.validate(args, world_size_from_env(args))
+    model_cfg = model_config(args)
+    validate_model(args, model_cfg)
+    tokenizer, task = build_tokenizer_and_task(args)
+    return RunInputs(args, model_cfg, tokenizer, task, load_prompts(args, tokenizer, task))
+
+
+def describe(inputs: RunInputs) -> str:
+    """The resolved configuration and layout, as --dry-run prints it."""
+    args = inputs.args
+    return json.dumps({"layout": layout(args, world_size_from_env(args)), "prompts": len(inputs.prompts.rows),
+                       "model": inputs.model_cfg.to_dict(), "args": vars(args)}, indent=2, default=str)
+
+
+def build_trainer(inputs: RunInputs):
+    """The run's components on this rank (call after ``runtime.initialize``)."""
+    return build_run(inputs.args, inputs.tokenizer, inputs.task, inputs.model_cfg, inputs.prompts.rows)
+
+
+def build_tokenizer_and_task(args):
+    if args.task == "synthetic-copy":
+        from emapg_megatron.tasks.synthetic import CharTokenizer, CopyTask
+
+        return CharTokenizer(), CopyTask(seed=args.seed)
+    from transformers import AutoTokenizer
+
+    from emapg_megatron.tasks import get_task
+
+    tokenizer = AutoTokenizer.from_pretrained(args.load_hf, local_files_only=True)
+    if args.task == "math":
+        return tokenizer, get_task("math", chat_template=args.chat_template,
+                                   format_bonus=args.math_format_bonus)
+    return tokenizer, get_task("search", retriever=args.retriever, chat_template=args.chat_template,
+                               max_turns=args.max_turns, max_turn_tokens=args.max_turn_tokens,
+                               max_obs_tokens=args.max_obs_tokens, topk=args.retriever_topk)
+
+
+def load_prompts(args, tokenizer, task):
+    """The training prompts, checked: readable data, every prompt fits --seq-length."""
+    from emapg_megatron.training.prompt_data import load_training_prompts
+
+    return load_training_prompts(task, args.data_path, tokenizer, seq_length=args.seq_length,
+                                 max_new_tokens=args.max_new_tokens, long_prompts=args.long_prompts)
+
+
+def model_config(args):
+    """The architecture: from --load-hf's config.json, else from the flags (no weights read)."""
+    from emapg_megatron.models.gpt import ModelConfig
+
+    if args.load_hf is not None:
+        from emapg_megatron.checkpoint.hf_config import model_config_from_hf, read_hf_config
+
+        cfg, _ = model_config_from_hf(read_hf_config(args.load_hf),
+                                      make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
+        return cfg
+    from emapg_megatron.tasks.synthetic import CharTokenizer
+
+    return ModelConfig(
+        vocab_size=args.vocab_size or CharTokenizer().vocab_size,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_layers=args.num_layers,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups,
+        kv_channels=args.kv_channels,
+        max_position_embeddings=max(args.max_position_embeddings, args.seq_length),
+        rotary_base=args.rotary_base,
+        norm_epsilon=args.norm_epsilon,
+        add_qkv_bias=args.add_qkv_bias,
+        qk_layernorm=args.qk_layernorm,
+        tie_word_embeddings=not args.untie_embeddings_and_output_weights,
+        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+        init_method_std=args.init_method_std,
+    )
+
+
+def precision_config(args):
+    from emapg_megatron.models.gpt import PrecisionConfig
+
+    return PrecisionConfig(bf16=args.bf16, fp8_format=args.fp8_format, fp8_recipe=args.fp8_recipe,
+                           transformer_impl=args.transformer_impl)
+
+
+def world_size_from_env(args) -> int:
+    return int(os.environ.get("WORLD_SIZE", args.world_size or 1))
+
+
+def validate_model(args, model_cfg) -> None:
+    from emapg_megatron.models.gpt import validate_fp8_shapes, validate_precision
+
+    model_cfg.validate(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+    if arguments.topk_k(args) > model_cfg.vocab_size:
+        raise ConfigError(f"--kl-topk-tokens {args.kl_topk_tokens} exceeds the vocabulary "
+                          f"({model_cfg.vocab_size})")
+    if args.fp8_format is not None:
+        validate_fp8_shapes(model_cfg, args.tensor_model_parallel_size, args.seq_length,
+                            args.sequence_parallel)
+    if not args.dry_run:
+        validate_precision(precision_config(args), arguments.parallel_config(args).resolved_device())
+
+
+def layout(args, world: int) -> dict:
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    return {"world_size": world, "tensor_model_parallel_size": tp,
+            "pipeline_model_parallel_size": pp, "data_parallel_size": world // (tp * pp)}
+
+
+def build_run(args, tokenizer, task, model_cfg, rows):
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from emapg_megatron.algo.policy_loss import LossConfig
+    from emapg_megatron.anchor import EmaAnchor, EmaConfig, StabilityMonitor
+    from emapg_megatron.trainer import KLConfig, PolicyPasses, StepConfig, Trainer
+    from emapg_megatron.training.model_and_optimizer import OptimConfig, build_model_and_optimizer
+    from emapg_megatron.training.optimizer_step import check_loaded_weights
+    from emapg_megatron.training.prompt_data import PromptSchedule
+
+    optim = OptimConfig(lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+                        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
+                        clip_grad=args.clip_grad, use_distributed_optimizer=args.use_distributed_optimizer)
+    chunks, optimizer = build_model_and_optimizer(model_cfg, optim, precision_config(args),
+                                                  sequence_parallel=args.sequence_parallel)
+    if args.pretrained_checkpoint:
+        load_pretrained(chunks, optimizer, args.pretrained_checkpoint)
+        check_loaded_weights(chunks, f"--pretrained-checkpoint {args.pretrained_checkpoint}")
+    elif args.load_hf:
+        from emapg_megatron.checkpoint import load_hf_weights
+
+        load_hf_weights(chunks, model_cfg, args.load_hf, progress=dist.get_rank() == 0)
+        optimizer.reload_model_params()
+        check_loaded_weights(chunks, f"--load-hf {args.load_hf}")
+    warmup = (int(args.lr_warmup_fraction * args.train_iters) if args.lr_warmup_fraction is not None
+              else args.lr_warmup_iters)
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if warmup else args.lr, max_lr=args.lr, min_lr=args.min_lr,
+        lr_warmup_steps=warmup, lr_decay_steps=args.train_iters,
+        lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay, end_wd=args.weight_decay,
+        wd_incr_steps=args.train_iters, wd_incr_style="constant")
+    ema_cfg = EmaConfig(eta=args.ema_eta, update_period=args.ema_update_period,
+                        shard_over_dp=args.ema_shard_over_dp, cpu_offload=args.ema_cpu_offload,
+                        stability_interval=args.ema_stability_interval)
+    anchor = EmaAnchor(chunks, optimizer, ema_cfg)
+    sampler = build_rollout_engine(args, chunks, model_cfg, tokenizer)
+    kl = KLConfig(args.kl_loss_type, args.kl_topk_tokens, args.kl_tail,
+                  tuple(args.kl_iw_clip) if args.kl_iw_clip else None, alpha=args.kl_alpha)
+    loss = LossConfig(args.clip_eps_low, args.clip_eps_high, args.kl_coef, args.entropy_coef,
+                      args.loss_agg_mode)
+    step_cfg = StepConfig(
+        num_samples=args.num_samples_per_prompt, micro_batch_size=args.micro_batch_size,
+        mini_batch_size=args.global_batch_size or args.rollout_batch_size * args.num_samples_per_prompt,
+        ppo_epochs=args.ppo_epochs, temperature=args.temperature, top_p=args.top_p,
+        max_new_tokens=args.max_new_tokens, advantage_norm=args.advantage_norm,
+        advantage_eps=args.advantage_eps, kl_in_reward_coef=args.kl_in_reward_coef)
+    monitor = StabilityMonitor.from_config(ema_cfg) if args.ema_stability_interval else None
+    return Trainer(model_chunks=chunks, optimizer=optimizer, scheduler=scheduler, anchor=anchor,
+                   monitor=monitor,
+                   sampler=sampler, task=task, tokenizer=tokenizer,
+                   passes=PolicyPasses(kl, loss, model_cfg.vocab_size), step_cfg=step_cfg,
+                   data=PromptSchedule(rows, args.seed), rollout_batch_size=args.rollout_batch_size)
+
+
+def build_rollout_engine(args, chunks, model_cfg, tokenizer):
+    pad_id = getattr(tokenizer, "pad_token_id", None) or 0
+    if args.rollout_engine == "vllm":
+        from emapg_megatron.rollout.vllm_engine import VLLMEngine
+
+        cfg = arguments.vllm_config(args)
+        # The trainer's layout decides whether a model-parallel group must share one batch. No
+        # sync here: the first generate syncs, after --load / --pretrained-checkpoint have run.
+        return VLLMEngine(cfg, model_cfg, seq_length=args.seq_length, pad_id=pad_id,
+                          model_chunks=chunks, trainer_tp=args.tensor_model_parallel_size,
+                          pipeline_parallel=args.pipeline_model_parallel_size)
+    from emapg_megatron.rollout.megatron_sampler import MegatronSampler
+
+    return MegatronSampler(chunks, vocab_size=model_cfg.vocab_size,
+                           eos_id=getattr(tokenizer, "eos_token_id", None), pad_id=pad_id,
+                           seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
+                           seed=args.seed, tokenizer=tokenizer)
+
+
+def load_pretrained(chunks, optimizer, path: str) -> None:
+    """Model weights only (e.g. from `emapg-convert hf-to-mcore`), any TP/PP."""
+    from emapg_megatron.training.checkpoint_verify import load_verified
+    from emapg_megatron.training.model_and_optimizer import unwrap
+
+    gpt = unwrap(chunks[0])
+    gpt.load_state_dict(load_verified(gpt.sharded_state_dict(), path))  # nothing in it may run
+    optimizer.reload_model_params()
+
+

@@ -1,0 +1,101 @@
+"""The training loop: steps, logging, checkpoints, and a clean stop on a signal.
+
+Checkpoint state comes from the :class:`~emapg_megatron.trainer.Trainer` (``sharded_state_dict``,
+``common_state_dict``, ``load_state_dict``); this module decides when to save and how to resume.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+
+import torch.distributed as dist
+
+from emapg_megatron.runtime import ConfigError
+from emapg_megatron.training import checkpointing
+from emapg_megatron.training.collectives import any_true
+from emapg_megatron.training.optimizer_step import check_weights
+
+
+def log0(msg: str) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(msg, flush=True)
+
+
+def save(args, trainer, iteration: int) -> None:
+    """A checkpoint of step ``iteration``, never of non-finite or exploded weights."""
+    check_weights(trainer.model_chunks, f"before saving step {iteration}")
+    checkpointing.check_finite_before_save(trainer.model_chunks, trainer.anchor, iteration)
+    common = {"iteration": iteration, **trainer.common_state_dict(),
+              "args": json.dumps(vars(args), default=str)}
+    path = checkpointing.save(args.save, iteration, trainer.sharded_state_dict(), common)
+    log0(f"saved checkpoint {path}")
+
+
+def resume(args, trainer) -> int:
+    """Load ``--load``'s latest checkpoint into ``trainer``; returns its step."""
+    path = checkpointing.iteration_dir(args.load, checkpointing.latest_iteration(args.load))
+    trainer.prepare_to_load(path)
+    iteration, loaded = checkpointing.load(args.load, trainer.sharded_state_dict(is_loading=True))
+    trainer.load_state_dict(loaded)
+    log0(f"resumed from {args.load} at step {iteration}")
+    return iteration
+
+
+class StopFlag:
+    """SIGTERM/SIGINT ask for a checkpoint and a clean exit at the end of the current step.
+
+    If the ranks cannot agree within ``grace_s`` (a peer died and this rank waits in a
+    collective), the process exits with one line instead of blocking; a second signal exits at once.
+    """
+
+    def __init__(self, grace_s: float = 120.0):
+        self.requested = False
+        self.grace_s = grace_s
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+        signal.signal(signal.SIGALRM, self._give_up)
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            self._give_up(signum, frame)
+        self.requested = True
+        signal.setitimer(signal.ITIMER_REAL, self.grace_s)
+
+    @staticmethod
+    def _give_up(signum, frame):
+        print(f"error: stopped by signal {signal.Signals(signum).name} without a checkpoint: the ranks "
+              "did not reach the end of the step in time (a peer may have died)", file=sys.stderr,
+              flush=True)
+        os._exit(1)
+
+    def agreed(self) -> bool:
+        return any_true(self.requested)
+
+    def done(self) -> None:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+
+
+def run_steps(args, trainer, logger, start: int) -> int:
+    stop = StopFlag()
+    iteration = start
+    for iteration in range(start + 1, args.train_iters + 1):
+        metrics = trainer.step(iteration)
+        logger.log(iteration, metrics)
+        if trainer.skipped_steps > args.max_skipped_steps:
+            raise ConfigError(f"stopping: {trainer.skipped_steps} steps skipped for non-finite "
+                              f"loss or gradients (--max-skipped-steps {args.max_skipped_steps})")
+        stopping = stop.agreed()
+        if args.save and (stopping or (args.save_interval and iteration % args.save_interval == 0)):
+            save(args, trainer, iteration)
+        if stopping:
+            stop.done()
+            log0(f"signal received: stopped after step {iteration}")
+            return iteration
+    if args.save and not (args.save_interval and iteration % args.save_interval == 0):
+        save(args, trainer, iteration)
+    return iteration
+
+

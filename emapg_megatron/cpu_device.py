@@ -636,6 +636,28 @@ class _PropagateDeviceTags(TorchDispatchMode):
 _DisableTorchFunction = torch._C.DisableTorchFunction
 
 
+class _MappingEngine:
+    """Stands in for ``Variable._execution_engine`` in CPU mode: backward passes run mapped too.
+
+    ``Tensor.backward`` and ``torch.autograd.backward`` are torch functions, and handling one
+    pops the mode for its whole duration, backward pass included. Megatron allocates in backward
+    (``torch.empty(..., device=torch.cuda.current_device())`` in sequence-parallel linear layers),
+    so the mode is put back for the engine's run.
+    """
+
+    def __init__(self, engine):
+        self._engine = engine
+
+    def run_backward(self, *args, **kwargs):
+        if torch._C._len_torch_function_stack() == 0:
+            with CudaToCpuMode():
+                return self._engine.run_backward(*args, **kwargs)
+        return self._engine.run_backward(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+
 class _TaggingEngine:
     """Stands in for ``Variable._execution_engine``: runs backward passes under the tag propagation.
 
@@ -974,6 +996,9 @@ def install(strict: bool | None = None) -> None:
         os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
         _patch_torch_cuda()
         _patch_megatron_rng()
+        from torch.autograd.variable import Variable
+
+        Variable._execution_engine = _MappingEngine(Variable._execution_engine)
         CudaToCpuMode().__enter__()  # stays active for the process lifetime
         _installed = True
     if strict and not _strict:

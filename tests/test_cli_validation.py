@@ -36,6 +36,19 @@ def run_cli(*argv, env_world=None):
      "--vllm-tensor-parallel-size 2 must divide --tensor-model-parallel-size 1"),
     (["--vllm-gpu-memory-utilization", "0"], 2, "--vllm-gpu-memory-utilization must be in (0, 1]"),
     (["--vllm-weight-sync-bucket-mb", "0"], 2, "--vllm-weight-sync-bucket-mb must be > 0"),
+    (["--kl-topk-tokens", "0"], 2, "--kl-loss-type topk-reverse needs --kl-topk-tokens >= 1"),
+    (["--kl-loss-type", "topk-alpha"], 2, "--kl-loss-type topk-alpha needs --kl-alpha"),
+    (["--kl-loss-type", "topk-alpha", "--kl-alpha", "1"], 2, "--kl-alpha: alpha-divergence got alpha=1.0"),
+    (["--kl-alpha", "0.5"], 2, "--kl-alpha is only for --kl-loss-type topk-alpha"),
+    (["--kl-loss-type", "k3", "--kl-topk-tokens", "0"], 2, None),  # sampled: no top-k needed
+    (["--sequence-parallel", "--tensor-model-parallel-size", "1"], 1,
+     "--sequence-parallel needs --tensor-model-parallel-size >= 2"),
+    (["--sequence-parallel", "--seq-length", "9"], 2, "--sequence-parallel needs --seq-length 9 divisible"),
+    (["--bf16", "--fp8-format", "hybrid", "--seq-length", "12", "--max-position-embeddings", "16"], 2,
+     "FP8 needs --seq-length (12) to be a multiple of 8"),
+    (["--bf16", "--fp8-format", "hybrid"], 2,
+     "FP8 needs every GEMM dimension to be a multiple of 16: the padded vocabulary / TP is 8"),
+    (["--vocab-size", "5"], 2, "--vocab-size must cover the synthetic task's 13 token ids"),
 ])
 def test_bad_input_is_one_clear_line(argv, world, message):
     r = run_cli(*argv, env_world=world)

@@ -9,12 +9,19 @@ from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import dataclass, fields
 from importlib import resources
 
 import yaml
 
-from emapg_megatron.kl import LOSS_TYPE_NAMES, SAMPLED, TOPK_TAILS, loss_type
-from emapg_megatron.runtime import ConfigError
+from emapg_megatron.algo.policy_loss import LossConfig
+from emapg_megatron.anchor.ema import EmaConfig
+from emapg_megatron.kl import LOSS_TYPE_NAMES, TOPK_TAILS
+from emapg_megatron.models.gpt import PrecisionConfig
+from emapg_megatron.rollout.vllm_engine import VLLMConfig
+from emapg_megatron.runtime import ConfigError, ParallelConfig, validate_parallel
+from emapg_megatron.trainer import KLConfig, StepConfig
+from emapg_megatron.training.model_and_optimizer import OptimConfig
 
 TASKS = ("synthetic-copy", "math", "search")
 PRESETS_PACKAGE = "emapg_megatron.presets"
@@ -273,47 +280,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def validate(args: argparse.Namespace, world_size: int) -> None:
+def validate(args: argparse.Namespace, world_size: int, cfg: ComponentConfigs | None = None) -> None:
     """Every check that needs no process group. Raises ConfigError with one line.
 
     A ``--dry-run`` skips only the checks that need the target hardware (GPU present).
     """
-    from emapg_megatron.runtime import validate_parallel
-
-    validate_parallel(parallel_config(args), world_size, check_devices=not args.dry_run)
-    _check(0.0 <= args.ema_eta <= 1.0, f"--ema-eta must be in [0, 1] (got {args.ema_eta})")
-    _check(args.ema_update_period >= 1,
-           f"--ema-update-period must be >= 1 (got {args.ema_update_period})")
-    _check(not args.ema_shard_over_dp or args.use_distributed_optimizer,
-           "--ema-shard-over-dp needs --use-distributed-optimizer")
+    cfg = cfg or component_configs(args)
+    validate_parallel(cfg.parallel, world_size, check_devices=not args.dry_run)
+    cfg.ema.validate(args.use_distributed_optimizer)
+    cfg.kl.validate()
+    cfg.loss.validate()
+    cfg.step.validate()
     _check(args.train_iters >= 1, f"--train-iters must be >= 1 (got {args.train_iters})")
     _check(args.vocab_size is None or args.load_hf is None,
            "--vocab-size is for a randomly initialised model: --load-hf sets the vocabulary")
     _check(args.vocab_size is None or args.vocab_size >= 13,
            f"--vocab-size must cover the synthetic task's 13 token ids (got {args.vocab_size})")
-    _check(args.kl_topk_tokens >= 0, "--kl-topk-tokens must be >= 0")
-    kl = loss_type(args.kl_loss_type)
-    _check(kl.family == SAMPLED or args.kl_topk_tokens >= 1,
-           f"--kl-loss-type {args.kl_loss_type} needs --kl-topk-tokens >= 1 (got {args.kl_topk_tokens})")
-    _check(kl.needs_alpha or args.kl_alpha is None,
-           f"--kl-alpha is only for --kl-loss-type topk-alpha (got {args.kl_loss_type})")
-    if kl.needs_alpha:
-        _check(args.kl_alpha is not None, "--kl-loss-type topk-alpha needs --kl-alpha")
-        try:
-            kl.check_alpha(args.kl_alpha)
-        except ValueError as e:
-            raise ConfigError(f"--kl-alpha: {e}") from None
-    _check(args.temperature > 0, "--temperature must be > 0")
-    _check(0.0 < args.top_p <= 1.0, "--top-p must be in (0, 1]")
-    _check(args.clip_eps_low >= 0 and args.clip_eps_high >= 0, "PPO clip epsilons must be >= 0")
-    _check(args.kl_coef >= 0, "--kl-coef must be >= 0")
-    if args.kl_iw_clip is not None:
-        lo, hi = args.kl_iw_clip
-        _check(0 <= lo <= hi, f"--kl-iw-clip needs 0 <= MIN <= MAX (got {lo} {hi})")
-    _check(args.num_samples_per_prompt >= 1 and args.rollout_batch_size >= 1,
-           "--rollout-batch-size and --num-samples-per-prompt must be >= 1")
-    _check(args.advantage_norm != "group" or args.num_samples_per_prompt >= 2,
-           "--advantage-norm group needs --num-samples-per-prompt >= 2")
+    _check(args.rollout_batch_size >= 1, "--rollout-batch-size and --num-samples-per-prompt must be >= 1")
     _validate_batches(args, world_size)
     _check(args.load is None or os.path.isdir(args.load),
            f"--load path does not exist: {args.load}")
@@ -367,29 +350,81 @@ def _check(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-def parallel_config(args):
-    from emapg_megatron.runtime import ParallelConfig
+# --- flags -> component configs: the one place that maps them ----------------------------------
+#: For each component config, the flag (argparse dest) of every field not named like its flag.
+#: A field named like its flag needs no entry; a field with no flag keeps its default.
+FLAG_OF_FIELD = {
+    ParallelConfig: {"backend": "distributed_backend", "timeout_minutes": "distributed_timeout_minutes"},
+    EmaConfig: {"eta": "ema_eta", "update_period": "ema_update_period",
+                "shard_over_dp": "ema_shard_over_dp", "cpu_offload": "ema_cpu_offload",
+                "stability_interval": "ema_stability_interval"},
+    KLConfig: {"loss_type": "kl_loss_type", "k": "kl_topk_tokens", "tail": "kl_tail",
+               "iw_clip": "kl_iw_clip", "alpha": "kl_alpha"},
+    LossConfig: {"agg_mode": "loss_agg_mode"},
+    StepConfig: {"num_samples": "num_samples_per_prompt", "mini_batch_size": "global_batch_size"},
+    VLLMConfig: {"tensor_parallel_size": "vllm_tensor_parallel_size",
+                 "gpu_memory_utilization": "vllm_gpu_memory_utilization",
+                 "sleep_level": "vllm_sleep_level", "enforce_eager": "vllm_enforce_eager"},
+}
 
-    return ParallelConfig(
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        sequence_parallel=args.sequence_parallel,
-        device=args.device,
-        backend=args.distributed_backend,
-        seed=args.seed,
-        timeout_minutes=args.distributed_timeout_minutes,
+
+def component_config(cls, args: argparse.Namespace, **derived):
+    """``cls`` with every field that has a flag taken from ``args`` (``derived``: computed fields)."""
+    renames = FLAG_OF_FIELD.get(cls, {})
+    values = {}
+    for f in fields(cls):
+        dest = renames.get(f.name, f.name)
+        if f.name in derived:
+            values[f.name] = derived[f.name]
+        elif hasattr(args, dest):
+            values[f.name] = getattr(args, dest)
+    return cls(**values)
+
+
+@dataclass
+class ComponentConfigs:
+    """Every component's config, built once from the flags by :func:`component_configs`."""
+
+    parallel: ParallelConfig
+    """Layout, device and process-group settings (runtime)."""
+    precision: PrecisionConfig
+    """dtype, FP8 and layer implementation (models/gpt)."""
+    optim: OptimConfig
+    """Megatron optimizer (training/model_and_optimizer)."""
+    ema: EmaConfig
+    """EMA anchor (anchor/ema)."""
+    kl: KLConfig
+    """Token-level KL term (trainer, KL registry)."""
+    loss: LossConfig
+    """Policy loss (algo/policy_loss)."""
+    step: StepConfig
+    """One RL step: sampling, batching, advantages (trainer)."""
+    vllm: VLLMConfig
+    """vLLM rollout engine (rollout/vllm_engine)."""
+
+
+def component_configs(args) -> ComponentConfigs:
+    rollout = args.rollout_batch_size * args.num_samples_per_prompt
+    return ComponentConfigs(
+        parallel=parallel_config(args),
+        precision=component_config(PrecisionConfig, args),
+        optim=component_config(OptimConfig, args),
+        ema=component_config(EmaConfig, args),
+        kl=component_config(KLConfig, args),
+        loss=component_config(LossConfig, args),
+        step=component_config(StepConfig, args, mini_batch_size=args.global_batch_size or rollout),
+        vllm=vllm_config(args),
     )
 
 
-def vllm_config(args):
-    from emapg_megatron.rollout.vllm_engine import VLLMConfig
+def parallel_config(args) -> ParallelConfig:
+    return component_config(ParallelConfig, args)
 
-    return VLLMConfig(hf_dir=args.load_hf or "",
-                      tensor_parallel_size=(args.vllm_tensor_parallel_size
-                                            or args.tensor_model_parallel_size),
-                      gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-                      sleep_level=args.vllm_sleep_level, enforce_eager=args.vllm_enforce_eager,
-                      bucket_bytes=args.vllm_weight_sync_bucket_mb << 20, seed=args.seed)
+
+def vllm_config(args) -> VLLMConfig:
+    return component_config(VLLMConfig, args, hf_dir=args.load_hf or "",
+                            tensor_parallel_size=args.vllm_tensor_parallel_size or args.tensor_model_parallel_size,
+                            bucket_bytes=args.vllm_weight_sync_bucket_mb << 20)
 
 
 def topk_k(args) -> int:

@@ -32,16 +32,19 @@ class RunInputs:
     """The RL task: prompts and rewards."""
     prompts: object
     """The checked training prompts (:class:`~emapg_megatron.training.prompt_data.TrainingPrompts`)."""
+    configs: arguments.ComponentConfigs
+    """Every component's config, built once from the flags."""
 
 
 def prepare(argv=None) -> RunInputs:
     """Parse, validate and load everything that needs no process group (bad input stops here)."""
     args = arguments.parse_args(argv)
-    arguments.validate(args, world_size_from_env(args))
+    configs = arguments.component_configs(args)
+    arguments.validate(args, world_size_from_env(args), configs)
     model_cfg = model_config(args)
-    validate_model(args, model_cfg)
+    validate_model(args, configs, model_cfg)
     tokenizer, task = build_tokenizer_and_task(args)
-    return RunInputs(args, model_cfg, tokenizer, task, load_prompts(args, tokenizer, task))
+    return RunInputs(args, model_cfg, tokenizer, task, load_prompts(args, tokenizer, task), configs)
 
 
 def describe(inputs: RunInputs) -> str:
@@ -53,7 +56,8 @@ def describe(inputs: RunInputs) -> str:
 
 def build_trainer(inputs: RunInputs):
     """The run's components on this rank (call after ``runtime.initialize``)."""
-    return build_run(inputs.args, inputs.tokenizer, inputs.task, inputs.model_cfg, inputs.prompts.rows)
+    return build_run(inputs.args, inputs.configs, inputs.tokenizer, inputs.task, inputs.model_cfg,
+                     inputs.prompts.rows)
 
 
 def build_tokenizer_and_task(args):
@@ -94,37 +98,17 @@ def model_config(args):
         return cfg
     from emapg_megatron.tasks.synthetic import CharTokenizer
 
-    return ModelConfig(
-        vocab_size=args.vocab_size or CharTokenizer().vocab_size,
-        hidden_size=args.hidden_size,
-        ffn_hidden_size=args.ffn_hidden_size,
-        num_layers=args.num_layers,
-        num_attention_heads=args.num_attention_heads,
-        num_query_groups=args.num_query_groups,
-        kv_channels=args.kv_channels,
+    return arguments.component_config(
+        ModelConfig, args, vocab_size=args.vocab_size or CharTokenizer().vocab_size,
         max_position_embeddings=max(args.max_position_embeddings, args.seq_length),
-        rotary_base=args.rotary_base,
-        norm_epsilon=args.norm_epsilon,
-        add_qkv_bias=args.add_qkv_bias,
-        qk_layernorm=args.qk_layernorm,
-        tie_word_embeddings=not args.untie_embeddings_and_output_weights,
-        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-        init_method_std=args.init_method_std,
-    )
-
-
-def precision_config(args):
-    from emapg_megatron.models.gpt import PrecisionConfig
-
-    return PrecisionConfig(bf16=args.bf16, fp8_format=args.fp8_format, fp8_recipe=args.fp8_recipe,
-                           transformer_impl=args.transformer_impl)
+        tie_word_embeddings=not args.untie_embeddings_and_output_weights)
 
 
 def world_size_from_env(args) -> int:
     return int(os.environ.get("WORLD_SIZE", args.world_size or 1))
 
 
-def validate_model(args, model_cfg) -> None:
+def validate_model(args, configs: arguments.ComponentConfigs, model_cfg) -> None:
     from emapg_megatron.models.gpt import validate_fp8_shapes, validate_precision
 
     model_cfg.validate(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
@@ -135,7 +119,7 @@ def validate_model(args, model_cfg) -> None:
         validate_fp8_shapes(model_cfg, args.tensor_model_parallel_size, args.seq_length,
                             args.sequence_parallel)
     if not args.dry_run:
-        validate_precision(precision_config(args), arguments.parallel_config(args).resolved_device())
+        validate_precision(configs.precision, configs.parallel.resolved_device())
 
 
 def layout(args, world: int) -> dict:
@@ -144,21 +128,17 @@ def layout(args, world: int) -> dict:
             "pipeline_model_parallel_size": pp, "data_parallel_size": world // (tp * pp)}
 
 
-def build_run(args, tokenizer, task, model_cfg, rows):
+def build_run(args, cfg: arguments.ComponentConfigs, tokenizer, task, model_cfg, rows):
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    from emapg_megatron.algo.policy_loss import LossConfig
-    from emapg_megatron.anchor import EmaAnchor, EmaConfig, StabilityMonitor
-    from emapg_megatron.trainer import KLConfig, PolicyPasses, StepConfig, Trainer
-    from emapg_megatron.training.model_and_optimizer import OptimConfig, build_model_and_optimizer
+    from emapg_megatron.anchor import EmaAnchor, StabilityMonitor
+    from emapg_megatron.trainer import PolicyPasses, Trainer
+    from emapg_megatron.training.model_and_optimizer import build_model_and_optimizer
     from emapg_megatron.training.optimizer_step import check_loaded_weights
     from emapg_megatron.training.prompt_data import PromptSchedule
 
-    optim = OptimConfig(lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
-                        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
-                        clip_grad=args.clip_grad, use_distributed_optimizer=args.use_distributed_optimizer)
-    chunks, optimizer = build_model_and_optimizer(model_cfg, optim, precision_config(args),
-                                                  sequence_parallel=args.sequence_parallel)
+    chunks, optimizer = build_model_and_optimizer(model_cfg, cfg.optim, cfg.precision,
+                                                  sequence_parallel=cfg.parallel.sequence_parallel)
     if args.pretrained_checkpoint:
         load_pretrained(chunks, optimizer, args.pretrained_checkpoint)
         check_loaded_weights(chunks, f"--pretrained-checkpoint {args.pretrained_checkpoint}")
@@ -175,27 +155,14 @@ def build_run(args, tokenizer, task, model_cfg, rows):
         lr_warmup_steps=warmup, lr_decay_steps=args.train_iters,
         lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay, end_wd=args.weight_decay,
         wd_incr_steps=args.train_iters, wd_incr_style="constant")
-    ema_cfg = EmaConfig(eta=args.ema_eta, update_period=args.ema_update_period,
-                        shard_over_dp=args.ema_shard_over_dp, cpu_offload=args.ema_cpu_offload,
-                        stability_interval=args.ema_stability_interval)
-    anchor = EmaAnchor(chunks, optimizer, ema_cfg)
+    anchor = EmaAnchor(chunks, optimizer, cfg.ema)
     sampler = build_rollout_engine(args, chunks, model_cfg, tokenizer)
-    kl = KLConfig(args.kl_loss_type, args.kl_topk_tokens, args.kl_tail,
-                  tuple(args.kl_iw_clip) if args.kl_iw_clip else None, alpha=args.kl_alpha)
-    loss = LossConfig(args.clip_eps_low, args.clip_eps_high, args.kl_coef, args.entropy_coef,
-                      args.loss_agg_mode)
-    step_cfg = StepConfig(
-        num_samples=args.num_samples_per_prompt, micro_batch_size=args.micro_batch_size,
-        mini_batch_size=args.global_batch_size or args.rollout_batch_size * args.num_samples_per_prompt,
-        ppo_epochs=args.ppo_epochs, temperature=args.temperature, top_p=args.top_p,
-        max_new_tokens=args.max_new_tokens, advantage_norm=args.advantage_norm,
-        advantage_eps=args.advantage_eps, kl_in_reward_coef=args.kl_in_reward_coef)
-    monitor = StabilityMonitor.from_config(ema_cfg) if args.ema_stability_interval else None
+    passes = PolicyPasses(cfg.kl, cfg.loss, model_cfg.vocab_size)
+    monitor = StabilityMonitor.from_config(cfg.ema) if cfg.ema.stability_interval else None
     return Trainer(model_chunks=chunks, optimizer=optimizer, scheduler=scheduler, anchor=anchor,
-                   monitor=monitor,
-                   sampler=sampler, task=task, tokenizer=tokenizer,
-                   passes=PolicyPasses(kl, loss, model_cfg.vocab_size), step_cfg=step_cfg,
-                   data=PromptSchedule(rows, args.seed), rollout_batch_size=args.rollout_batch_size)
+                   monitor=monitor, sampler=sampler, task=task, tokenizer=tokenizer, passes=passes,
+                   step_cfg=cfg.step, data=PromptSchedule(rows, args.seed),
+                   rollout_batch_size=args.rollout_batch_size)
 
 
 def build_rollout_engine(args, chunks, model_cfg, tokenizer):

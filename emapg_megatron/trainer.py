@@ -17,7 +17,8 @@ import torch
 from emapg_megatron import runtime
 from emapg_megatron.algo.advantages import compute_advantages
 from emapg_megatron.algo.policy_loss import LossConfig, normaliser, policy_loss_terms
-from emapg_megatron.kl import loss_type, uses_topk
+from emapg_megatron.kl import SAMPLED, loss_type, uses_topk
+from emapg_megatron.runtime import ConfigError
 from emapg_megatron.tasks.base import encode_text
 from emapg_megatron.training import checkpointing
 from emapg_megatron.training.collectives import gather_cat, reduce_sum
@@ -33,11 +34,39 @@ LOSS_KEYS = ("pg_loss", "kl", "clip_frac", "entropy", "tokens")
 class KLConfig:
     """The token-level KL term; everything about a loss type comes from the KL registry."""
 
-    loss_type: str = "topk-reverse"  # a name of emapg_megatron.kl.LOSS_TYPES
-    k: int = 32  # size of the top-k set q (Top-k families)
-    tail: str = "unbiased"  # Top-k tail correction: unbiased | paper | none
-    iw_clip: tuple[float, float] | None = None  # clip of the importance weight of the tail
-    alpha: float | None = None  # the alpha-divergence's alpha (topk-alpha only)
+    loss_type: str = "topk-reverse"
+    """A name of emapg_megatron.kl.LOSS_TYPES (the KL registry)."""
+    k: int = 32
+    """Size of the top-k set q (Top-k families)."""
+    tail: str = "unbiased"
+    """Top-k tail correction: unbiased | paper | none."""
+    iw_clip: tuple[float, float] | None = None
+    """Clip (min, max) of the importance weight of the tail; None: no clip."""
+    alpha: float | None = None
+    """The alpha-divergence's alpha (topk-alpha only)."""
+
+    def __post_init__(self):
+        if self.iw_clip is not None:
+            self.iw_clip = tuple(self.iw_clip)  # a YAML or argparse list
+
+    def validate(self) -> None:
+        """The flags of the KL term, checked once (raises ConfigError with one line)."""
+        if self.k < 0:
+            raise ConfigError("--kl-topk-tokens must be >= 0")
+        kind = loss_type(self.loss_type)
+        if kind.family != SAMPLED and self.k < 1:
+            raise ConfigError(f"--kl-loss-type {self.loss_type} needs --kl-topk-tokens >= 1 (got {self.k})")
+        if not kind.needs_alpha and self.alpha is not None:
+            raise ConfigError(f"--kl-alpha is only for --kl-loss-type topk-alpha (got {self.loss_type})")
+        if kind.needs_alpha and self.alpha is None:
+            raise ConfigError("--kl-loss-type topk-alpha needs --kl-alpha")
+        if kind.needs_alpha:
+            try:
+                kind.check_alpha(self.alpha)
+            except ValueError as e:
+                raise ConfigError(f"--kl-alpha: {e}") from None
+        if self.iw_clip is not None and not 0 <= self.iw_clip[0] <= self.iw_clip[1]:
+            raise ConfigError(f"--kl-iw-clip needs 0 <= MIN <= MAX (got {self.iw_clip[0]} {self.iw_clip[1]})")
 
     @property
     def q_source(self) -> str | None:
@@ -134,16 +163,41 @@ class PolicyPasses:
 
 @dataclass
 class StepConfig:
+    """One RL step: how much is sampled, how it is split, and how advantages are formed."""
+
     num_samples: int
+    """Responses per prompt (N, the GRPO group)."""
     micro_batch_size: int
-    mini_batch_size: int  # sequences per optimizer step, global
+    """Sequences per forward/backward micro-batch."""
+    mini_batch_size: int
+    """Sequences per optimizer step (PPO mini-batch), global over DP ranks."""
     ppo_epochs: int
+    """Passes over the rollout batch (Lambda)."""
     temperature: float
+    """Sampling temperature."""
     top_p: float
+    """Nucleus sampling threshold (1: off)."""
     max_new_tokens: int
+    """Response length limit."""
     advantage_norm: str
+    """group | global | none (see algo/advantages)."""
     advantage_eps: float
+    """Added to the standard deviation of the advantage normalisation."""
     kl_in_reward_coef: float = 0.0
+    """Sequence-level KL subtracted from the reward (the WARP baseline); 0 disables."""
+
+    def validate(self) -> None:
+        """The flags of the step, checked once (raises ConfigError with one line)."""
+        if self.temperature <= 0:
+            raise ConfigError("--temperature must be > 0")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError("--top-p must be in (0, 1]")
+        if self.num_samples < 1:
+            raise ConfigError("--rollout-batch-size and --num-samples-per-prompt must be >= 1")
+        if self.advantage_norm == "group" and self.num_samples < 2:
+            raise ConfigError("--advantage-norm group needs --num-samples-per-prompt >= 2")
+        if self.ppo_epochs < 1:
+            raise ConfigError(f"--ppo-epochs must be >= 1 (got {self.ppo_epochs})")
 
 
 class Trainer:

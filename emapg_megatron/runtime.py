@@ -23,13 +23,22 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class ParallelConfig:
+    """The parallel layout, the device and the process groups."""
+
     tensor_model_parallel_size: int = 1
+    """TP degree (vocab-sharded logits)."""
     pipeline_model_parallel_size: int = 1
-    sequence_parallel: bool = False  # Megatron's --sequence-parallel: norms/dropout sharded over TP
-    device: str = "auto"  # auto | cpu | cuda
-    backend: str = "auto"  # auto | gloo | nccl
+    """PP degree."""
+    sequence_parallel: bool = False
+    """Megatron's --sequence-parallel: norms' and dropout's activations sharded over TP."""
+    device: str = "auto"
+    """auto | cpu | cuda (cpu: Megatron-Core on the CPU through cpu_device)."""
+    backend: str = "auto"
+    """auto | gloo | nccl."""
     seed: int = 1234
-    timeout_minutes: int = 30  # every collective (and Megatron's groups): a dead peer ends the run
+    """Seed of weights, data order and sampling."""
+    timeout_minutes: int = 30
+    """Timeout of every collective, Megatron's groups included: a dead peer ends the run."""
 
     def resolved_device(self) -> str:
         if self.device != "auto":

@@ -26,12 +26,18 @@ _FP32 = torch.float32
 
 @dataclass
 class EmaConfig:
-    eta: float = 0.9  # paper: 0.9-0.95; 1 = fixed anchor (standard GRPO), 0 = copy of the policy
-    update_period: int = 10  # T_ema, in trainer steps
-    shard_over_dp: bool = False  # keep only this DP rank's optimizer shard (distributed optimizer)
-    cpu_offload: bool = False  # keep the EMA in (pinned) host memory, stream it bucket by bucket
-    stability_interval: int = 0  # trainer steps between Fisher-trace estimates; 0 = off
-    transfer_numel: int = 16 * 2**20  # staging bucket of the offload stream (fp32 elements)
+    eta: float = 0.9
+    """Decay eta. Paper: 0.9-0.95; 1 = fixed anchor (standard GRPO), 0 = copy of the policy."""
+    update_period: int = 10
+    """T_ema, in trainer steps."""
+    shard_over_dp: bool = False
+    """Keep only this DP rank's optimizer shard (needs the distributed optimizer)."""
+    cpu_offload: bool = False
+    """Keep the EMA in (pinned) host memory, streamed bucket by bucket."""
+    stability_interval: int = 0
+    """Trainer steps between Fisher-trace stability estimates; 0 = off."""
+    transfer_numel: int = 16 * 2**20
+    """Staging bucket of the offload stream (fp32 elements)."""
 
     def validate(self, use_distributed_optimizer: bool) -> None:
         if not 0.0 <= self.eta <= 1.0:

@@ -11,14 +11,24 @@ from emapg_megatron.models.gpt import ModelConfig, PrecisionConfig, build_for_th
 
 @dataclass
 class OptimConfig:
+    """Megatron's Adam optimizer (``get_megatron_optimizer``)."""
+
     lr: float = 1e-6
+    """Peak learning rate."""
     min_lr: float = 0.0
+    """Final learning rate of the decay."""
     weight_decay: float = 0.01
+    """AdamW weight decay."""
     adam_beta1: float = 0.9
+    """Adam beta1."""
     adam_beta2: float = 0.999
+    """Adam beta2."""
     adam_eps: float = 1e-8
+    """Adam epsilon."""
     clip_grad: float = 1.0
+    """Global gradient-norm clip; 0 disables."""
     use_distributed_optimizer: bool = False
+    """Shard optimizer state and fp32 main params across data-parallel ranks."""
 
 
 def wrap_ddp(model, *, use_distributed_optimizer: bool):

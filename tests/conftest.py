@@ -1,10 +1,37 @@
 import os
+import sys
 
 import pytest
 
 os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-CORPUS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                      "data", "samples", "corpus.jsonl")
+TESTS = os.path.dirname(os.path.abspath(__file__))
+CORPUS = os.path.join(os.path.dirname(TESTS), "data", "samples", "corpus.jsonl")
+
+# Test modules import their helpers by bare module name, also across folders
+# (``from megatron_workers import ...`` in tests/anchor, ``from tiny_hf import ...``). Put tests/
+# and every subfolder on sys.path before anything is collected, so that this does not depend on
+# which files pytest imported first. Ranks spawned by ``run_distributed`` start with the parent's
+# sys.path and re-import their rank function's module by the same name. Module basenames are
+# therefore unique across tests/ (pytest's default "prepend" import mode requires that anyway).
+for _dir in [TESTS, *sorted(os.path.join(TESTS, d) for d in os.listdir(TESTS)
+                            if not d.startswith((".", "_")) and os.path.isdir(os.path.join(TESTS, d)))]:
+    if _dir not in sys.path:
+        sys.path.insert(0, _dir)
+
+
+def _check_unique_module_names() -> None:
+    seen = {}
+    for folder, dirs, files in os.walk(TESTS):
+        dirs[:] = [d for d in dirs if not d.startswith((".", "_"))]
+        for name in files:
+            if name.endswith(".py") and name != "conftest.py":
+                if name in seen:
+                    raise RuntimeError(f"tests/: two modules named {name} ({seen[name]} and {folder}); "
+                                       "they are imported by bare name, so names must be unique")
+                seen[name] = folder
+
+
+_check_unique_module_names()
 
 
 def pytest_configure(config):

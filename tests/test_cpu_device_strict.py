@@ -501,6 +501,7 @@ def _gpt_rank(move_to_device: bool):
 
     from emapg_megatron import cpu_device
     from emapg_megatron.models.gpt import ModelConfig, build_gpt_model
+    from emapg_megatron.training.schedule import positions_for
 
     assert cpu_device.strict()
     tp = ps.get_tensor_model_parallel_world_size()
@@ -510,8 +511,7 @@ def _gpt_rank(move_to_device: bool):
         model.cuda()
     tokens = torch.randint(0, TINY["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(0))
     tokens = tokens.cuda()
-    positions = torch.arange(16, device=tokens.device).expand_as(tokens)
-    loss = model(tokens, positions, None, labels=tokens)
+    loss = model(tokens, positions_for(tokens), None, labels=tokens)
     loss.float().mean().backward()
     grads_on_device = all(cpu_device.is_device_tensor(p.grad) for p in model.parameters())
     # The TP group is an NCCL group on a GPU: a host tensor there fails, the gloo DP group takes it.

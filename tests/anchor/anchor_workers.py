@@ -11,7 +11,9 @@ os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
 import torch
 import torch.nn.functional as F
 from megatron_workers import batch as cpu_batch
-from megatron_workers import run_schedule, tiny_config
+from megatron_workers import checkpoint_trainer, run_schedule, tiny_config
+
+from emapg_megatron.training.schedule import positions_for as positions
 
 ETA, BETA = 0.7, 0.1
 
@@ -21,10 +23,6 @@ def batch(seed, **kwargs):
     from emapg_megatron.runtime import device
 
     return tuple(t.to(device()) for t in cpu_batch(seed, **kwargs))
-
-
-def positions(tokens):
-    return torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
 
 
 def build(*, seed=7, dist_opt=False, bf16=False, lr=1e-2, **overrides):
@@ -124,32 +122,36 @@ def sequences(n=3, seq=12):
 
 
 def direct_logprob(chunks):
+    """−log π(y|x) by a plain forward with ``labels=`` (PP=1): the path without the schedule."""
     def fn(seq):
         tokens, labels = seq
         return -chunks[0](tokens, positions(tokens), None, labels=labels).float().sum()
     return fn
 
 
+def sequence_nll(logits, mb):
+    """−log π(y|x) of one sequence from the vocab-sharded logits (Megatron's CE, as ``labels=``)."""
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    return vocab_parallel_cross_entropy(logits, mb["labels"]).float().sum(), {}
+
+
 def pipeline_logprob(chunks):
-    """Forward + backward of −log π(y|x) through Megatron's schedule (any PP); returns None."""
+    """Forward + backward of −log π(y|x) through the trainer's pipeline pass (any PP), as the
+    trainer's stability monitor calls it; returns None."""
     def fn(seq):
-        from functools import partial
+        from emapg_megatron.training.schedule import forward_backward
 
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
-        def forward_step(data_iterator, model):
-            tokens, labels = next(data_iterator)
-            out = model(tokens, positions(tokens), None, labels=labels)
-            return out, partial(lambda t: (t.float().sum(), {}))
-
-        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter([seq]),
-                                    model=chunks, num_microbatches=1, seq_length=seq[0].shape[1],
-                                    micro_batch_size=1, forward_only=False)
+        tokens, labels = seq
+        forward_backward(chunks, [{"tokens": tokens, "labels": labels}], sequence_nll)
     return fn
 
 
 def reference_fisher_trace(gpt, seqs):
-    """Single-device E‖∇ log π(y|x)‖² with plain autograd (tied weights are one parameter)."""
+    """Single-device E‖∇ log π(y|x)‖² with plain autograd (tied weights are one parameter).
+
+    Deliberately not the monitor's path: GPTModel's own ``labels=`` loss and ``autograd.grad``
+    are the oracle for the estimates taken through the schedule and the monitor."""
     params = [p for p in gpt.parameters() if p.requires_grad]
     total = 0.0
     for tokens, labels in seqs:
@@ -173,9 +175,10 @@ def load(state, ckpt_dir):
 
 
 def load_model(chunks, opt, ckpt_dir):
-    gpt = gpt_of(chunks)
-    gpt.load_state_dict(load(gpt.sharded_state_dict(), ckpt_dir))
-    opt.reload_model_params()
+    """The model weights only, at any TP/PP, as ``--pretrained-checkpoint`` loads them."""
+    from emapg_megatron.build import load_pretrained
+
+    load_pretrained(chunks, opt, ckpt_dir)
 
 
 def error(fn):
@@ -414,16 +417,19 @@ def pp2_job(root):
 
 # --------------------------------------------------------------------------- DP=2, distributed optimizer
 def resume_run(root, *, split, steps=6, **cfg):
-    """LM + β·KL training with the EMA; with ``split`` save after 3 steps and resume in fresh objects."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.dist_checkpointing.mapping import ShardedObject
-    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+    """LM + β·KL training with the EMA; with ``split`` save after 3 steps and resume in fresh
+    objects, through the trainer's own checkpoint path (``training.loop.save`` / ``resume``:
+    model, optimizer and EMA state, torch RNG, EMA layout check, Adam step restore)."""
+    from types import SimpleNamespace
 
-    # megatron-core 0.16 + torch Adam: 'fully_reshardable' loads fail on the missing 'step' state and
-    # fp32 params fail to load (in-place copy into a grad-requiring view): dp_reshardable, bf16.
-    meta = {"distrib_optim_sharding_type": "dp_reshardable"}
+    from megatron.core import parallel_state as ps
+
+    from emapg_megatron.training import loop
+
+    # A bf16 model with fp32 main params sharded by the distributed optimizer, as on a GPU.
     chunks, opt = build(dist_opt=True, bf16=True)
     anchor = anchor_for(chunks, opt, update_period=2, **cfg)
+    trainer = checkpoint_trainer(chunks, opt, anchor)  # before the first step, in both runs
     record = []
     first = range(1, 4) if split else range(1, steps + 1)
     for it in first:
@@ -431,47 +437,17 @@ def resume_run(root, *, split, steps=6, **cfg):
     if not split:
         return record, anchor.gathered(), named_params(chunks)
 
-    def state(chunks, opt, anchor, rng, is_loading=False):
-        model_sd = gpt_of(chunks).sharded_state_dict()
-        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-        return {"model": model_sd,
-                "optimizer": opt.sharded_state_dict(model_sd, is_loading=is_loading, metadata=meta),
-                "ema": anchor.sharded_state_dict(model_sd),
-                "rng": ShardedObject("rng", rng, (world,), (rank,), replica_id=0)}
-
-    rng = {"cpu": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
-    save(state(chunks, opt, anchor, rng), f"{root}/resume")
+    args = SimpleNamespace(save=f"{root}/resume", load=f"{root}/resume")
+    loop.save(args, trainer, 3)
     # Fresh objects with other weights: everything must come from the checkpoint.
     chunks, opt = build(dist_opt=True, bf16=True, seed=99)
     anchor = anchor_for(chunks, opt, update_period=2, **cfg)
-    # megatron-core 0.16 with torch Adam (no TE/Apex): a DistributedOptimizer cannot describe its
-    # state before its first step. A zero-grad step creates it; the load overwrites everything.
-    from emapg_megatron.training.model_and_optimizer import zero_grads
-
-    zero_grads(chunks, opt)
-    opt.step()
     torch.manual_seed(12345)
-    loaded = load(state(chunks, opt, anchor, None, is_loading=True), f"{root}/resume")
-    gpt_of(chunks).load_state_dict(loaded["model"])
-    opt.load_state_dict(loaded["optimizer"])
-    restore_adam_steps(opt, loaded["optimizer"])
-    anchor.load_state_dict(loaded["ema"])
-    torch.set_rng_state(loaded["rng"]["cpu"])
-    get_cuda_rng_tracker().set_states(loaded["rng"]["tracker"])
+    assert loop.resume(args, checkpoint_trainer(chunks, opt, anchor)) == 3
     assert ps.get_data_parallel_world_size() == 2
     for it in range(4, steps + 1):
         record.append(kl_step(chunks, opt, anchor, it, seed=30 + it))
     return record, anchor.gathered(), named_params(chunks)
-
-
-def restore_adam_steps(opt, loaded):
-    """megatron-core 0.16 DistributedOptimizer.load_state_dict with torch Adam (no TE/Apex) keeps the
-    live per-param 'step' (here 1, from the state-creating step) and shares one tensor between params.
-    Put back the checkpoint's step, one tensor per param."""
-    step = loaded["optimizer"]["param_groups"][0]["step"]
-    for inner in opt.chained_optimizers:
-        for state in inner.optimizer.state.values():
-            state["step"] = torch.tensor(float(step))
 
 
 def dp2_job(root):

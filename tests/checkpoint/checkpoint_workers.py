@@ -181,7 +181,6 @@ def parallel_job(hf_dirs: dict, root: str, bucket_bytes: int) -> dict:
     return out
 
 
-
 def fp8_job(hf_dir: str, root: str) -> dict:
     """GPU, one rank, TE spec: the same HF weights run in BF16 and with FP8 compute."""
     from megatron.core import dist_checkpointing
@@ -212,65 +211,4 @@ def fp8_job(hf_dir: str, root: str) -> dict:
         convert.save_mcore(chunks, ckpt, convert.checkpoint_metadata(cfg, arch, "bf16", tp=1, pp=1))
         out[label]["ckpt_dtypes"] = sorted({str(t.dtype) for t in
                                             dist_checkpointing.load_tensors_metadata(str(ckpt)).values()})
-    return out
-
-
-def training_checkpoint_job(root: str) -> dict:
-    """Save a small checkpoint the way the trainer does (model, optimizer, EMA, RNG, common) with
-    emapg's checkpointing.save, then report check_finite_before_save on poisoned weights."""
-    import math
-
-    from emapg_megatron.anchor import EmaAnchor, EmaConfig
-    from emapg_megatron.models.gpt import ModelConfig
-    from emapg_megatron.runtime import ConfigError
-    from emapg_megatron.training import checkpointing
-    from emapg_megatron.training.model_and_optimizer import (
-        OptimConfig,
-        build_model_and_optimizer,
-        unwrap,
-    )
-
-    cfg = ModelConfig(vocab_size=64, hidden_size=32, ffn_hidden_size=64, num_layers=2,
-                      num_attention_heads=2, max_position_embeddings=16,
-                      make_vocab_size_divisible_by=8)
-    chunks, optimizer = build_model_and_optimizer(cfg, OptimConfig())
-    anchor = EmaAnchor(chunks, optimizer, EmaConfig())
-    checkpointing.materialize_optimizer_state(chunks, optimizer)
-    model_sd = unwrap(chunks[0]).sharded_state_dict()
-    state = {"model": model_sd,
-             "optimizer": checkpointing.optimizer_sharded_state_dict(optimizer, model_sd),
-             "ema": anchor.sharded_state_dict(model_sd)}
-    checkpointing.check_finite_before_save(chunks, anchor, 1)  # all finite: no error
-    checkpointing.save(root, 1, state, {"iteration": 1})
-
-    def refusal(tensor, index, value):
-        old = tensor.view(-1)[index].item()
-        with torch.no_grad():
-            tensor.view(-1)[index] = value
-        try:
-            checkpointing.check_finite_before_save(chunks, anchor, 7)
-            return None
-        except ConfigError as e:
-            return str(e)
-        finally:
-            with torch.no_grad():
-                tensor.view(-1)[index] = old
-
-    gpt = unwrap(chunks[0])
-    out = {"weight": refusal(gpt.decoder.final_layernorm.weight, 3, math.nan),
-           "ema": refusal(anchor.stores[0].data, anchor.stores[0].bucket.slots[0].lo + 1, math.inf)}
-
-    # The layout a resume compares against: this run's, and one with the distributed optimizer.
-    saved = checkpointing.current_layout(state)
-    dchunks, doptimizer = build_model_and_optimizer(cfg, OptimConfig(use_distributed_optimizer=True))
-    checkpointing.materialize_optimizer_state(dchunks, doptimizer)
-    dmodel_sd = unwrap(dchunks[0]).sharded_state_dict()
-    now = checkpointing.current_layout(
-        {"model": dmodel_sd,
-         "optimizer": checkpointing.optimizer_sharded_state_dict(doptimizer, dmodel_sd, is_loading=True)})
-    out.update(saved=saved, distributed=now)
-    try:
-        checkpointing.check_layout(saved, now, root)
-    except ConfigError as e:
-        out["switch"] = str(e)
     return out

@@ -31,7 +31,7 @@ from emapg_megatron.checkpoint.weights import _Item, plan_buckets
 from emapg_megatron.models.gpt import ModelConfig
 from emapg_megatron.runtime import ConfigError
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 CONFIGS = {
     "gqa_bias": ModelConfig(vocab_size=100, hidden_size=32, ffn_hidden_size=48, num_layers=2,

@@ -28,7 +28,7 @@ from emapg_megatron.kl import (
 from emapg_megatron.parallel import kl_from_policy_terms
 from emapg_megatron.parallel.policy_terms import PolicyTerms
 
-DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs" / "kl_estimators.md"
+DOCS = pathlib.Path(__file__).resolve().parents[2] / "docs" / "kl_estimators.md"
 B, V, K = 6, 16, 4
 IW_CLIP = (0.0, 10.0)
 

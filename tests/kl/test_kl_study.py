@@ -9,7 +9,8 @@ import os
 import pytest
 import torch
 
-_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "kl_estimator_study.py")
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_PATH = os.path.join(_REPO, "tools", "kl_estimator_study.py")
 
 
 @pytest.fixture(scope="module")

@@ -248,28 +248,20 @@ def loss_mask_pattern() -> torch.Tensor:
 
 # --- Megatron GPTModel: the fused op + a KL loss inside forward_backward_func -----------------------
 
-def _policy_forward_step(data_iterator, model):
-    from functools import partial
-
+def _policy_loss(logits, mb):
+    """A policy loss of one micro-batch from the vocab-sharded logits ``[b, s, V/TP]``."""
     from megatron.core import parallel_state as ps
 
     from emapg_megatron.parallel import kl_from_policy_terms, vocab_parallel_policy_terms
 
-    from megatron_workers import positions
-
-    tokens, labels, q, ref_q, ref_y, adv, mask = next(data_iterator)
-    logits = model(tokens, positions(tokens), None)  # [b, s, V/TP] on the last stage
-
-    def loss_func(logits):
-        terms = vocab_parallel_policy_terms(
-            logits, labels, q, group=ps.get_tensor_model_parallel_group(), vocab_size=GPT_VOCAB,
-            with_entropy=True, loss_mask=mask, chunk_size=8)
-        kl = kl_from_policy_terms(terms, labels, q, ref_q, ref_y, kind="topk-reverse", loss_mask=mask)
-        per_token = -adv * terms.logprob + 0.5 * kl - 0.01 * terms.entropy
-        loss = (per_token * mask).sum() / mask.sum()
-        return loss, {"loss": loss.detach()}
-
-    return logits, partial(loss_func)
+    labels, q, mask = mb["labels"], mb["q"], mb["mask"]
+    terms = vocab_parallel_policy_terms(
+        logits, labels, q, group=ps.get_tensor_model_parallel_group(), vocab_size=GPT_VOCAB,
+        with_entropy=True, loss_mask=mask, chunk_size=8)
+    kl = kl_from_policy_terms(terms, labels, q, mb["ref_q"], mb["ref_y"], kind="topk-reverse", loss_mask=mask)
+    per_token = -mb["adv"] * terms.logprob + 0.5 * kl - 0.01 * terms.entropy
+    loss = (per_token * mask).sum() / mask.sum()
+    return loss, {"loss": loss.detach()}
 
 
 GPT_VOCAB = 100  # padded to 128 at TP 1 and 2: 28 padding columns
@@ -294,31 +286,25 @@ def gpt_microbatches(n: int = 2, b: int = 2, seq: int = 16, k: int = 4):
         adv = torch.randn(b, seq, generator=g)
         mask = torch.ones(b, seq, dtype=torch.bool)
         mask[1, -3:] = False
-        out.append((tokens, labels, q, ref_q, ref_y, adv, mask))
+        out.append(dict(tokens=tokens, labels=labels, q=q, ref_q=ref_q, ref_y=ref_y, adv=adv, mask=mask))
     return out
 
 
 def gpt_policy_run(ckpt_dir: str, save: bool) -> dict:
-    """Parameter gradients of a tiny GPTModel under the fused policy loss, from fixed weights."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
+    """Parameter gradients of a tiny GPTModel under the fused policy loss, from fixed weights,
+    through the trainer's pipeline pass (``training.schedule.forward_backward``)."""
     from emapg_megatron.training.model_and_optimizer import (
         OptimConfig, build_model_and_optimizer, global_param_name, unwrap, zero_grads)
+    from emapg_megatron.training.schedule import forward_backward
 
     from megatron_workers import grads_by_global_name, save_or_load, tiny_config
 
     chunks, opt = build_model_and_optimizer(tiny_config(), OptimConfig(lr=1e-2))
     gpt = unwrap(chunks[0])
-    loaded = save_or_load(gpt.sharded_state_dict, ckpt_dir, save)
-    if loaded is not None:
-        gpt.load_state_dict(loaded)
+    save_or_load(chunks, opt, ckpt_dir, save)
     zero_grads(chunks, opt)
-    micro = gpt_microbatches()
-    out = get_forward_backward_func()(
-        forward_step_func=_policy_forward_step, data_iterator=iter(micro), model=chunks,
-        num_microbatches=len(micro), seq_length=micro[0][0].shape[1], micro_batch_size=micro[0][0].shape[0],
-    )  # the schedule ends with Megatron's finalize_model_grads (the model config's hook)
-    losses = [d["loss"] for d in out]
+    # The schedule ends with Megatron's finalize_model_grads (the model config's hook).
+    losses = [d["loss"] for d in forward_backward(chunks, gpt_microbatches(), _policy_loss)]
     dims = {}
     for name, p in gpt.named_parameters():  # how TP shards each parameter (-1: replicated)
         dims[global_param_name(gpt, name)] = p.partition_dim if getattr(p, "tensor_model_parallel", False) else -1

@@ -49,7 +49,7 @@ from emapg_megatron.runtime import ConfigError
 # A call that vLLM would ignore (sleep while partly asleep: the memory would stay allocated) fails.
 pytestmark = pytest.mark.filterwarnings("error:fake vLLM")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CORPUS = os.path.join(ROOT, "data", "samples", "corpus.jsonl")
 MP_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 

@@ -1,4 +1,4 @@
-"""Rank functions for tests/test_vllm_engine.py (spawned, so module level)."""
+"""Rank functions for tests/rollout/test_vllm_engine.py (spawned, so module level)."""
 
 import torch
 import torch.distributed as dist
@@ -77,7 +77,7 @@ def write_tiny_hf_dir(path) -> str:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    corpus = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    corpus = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                           "data", "samples", "corpus.jsonl")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -118,6 +118,8 @@ def vllm_round_trip(hf_dir: str) -> dict:
     from emapg_megatron.models.gpt import PrecisionConfig, build_for_this_rank
     from emapg_megatron.rollout.engine import logprob_mismatch
     from emapg_megatron.rollout.vllm_engine import VLLMConfig, VLLMEngine
+    from emapg_megatron.trainer import shifted
+    from emapg_megatron.training.schedule import positions_for
 
     cfg, _ = model_config_from_hf(read_hf_config(hf_dir), make_vocab_size_divisible_by=64)
     model = build_for_this_rank(cfg, PrecisionConfig(bf16=True)).cuda()
@@ -133,18 +135,15 @@ def vllm_round_trip(hf_dir: str) -> dict:
     again = engine.generate(prompts, 3, temperature, top_p, 16, rng_step=1)
 
     tokens = batch.tokens.cuda()
-    positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
     with torch.no_grad():
-        logits = model(tokens, positions, None)
+        logits = model(tokens, positions_for(tokens), None)
     old = torch.zeros_like(batch.sampling_logprobs)
     old[:, :-1] = _processed_logprobs_at(logits[:, :-1], tokens[:, 1:], temperature, top_p,
                                          cfg.vocab_size).cpu()
 
-    def shift(t):  # token-aligned -> label-aligned, as the trainer's batch
-        return torch.cat([t[:, 1:], torch.zeros_like(t[:, :1])], dim=1)
-
     stats = engine.last_sync
-    return {"mismatch": logprob_mismatch(shift(batch.sampling_logprobs), old, shift(batch.loss_mask)),
+    # token-aligned -> label-aligned, as the trainer's batch (trainer.training_batch)
+    return {"mismatch": logprob_mismatch(shifted(batch.sampling_logprobs), old, shifted(batch.loss_mask)),
             "same_samples": bool(torch.equal(batch.tokens, again.tokens)),
             "freed_bytes": free_asleep - free_awake, "sync": stats.metrics(),
             "sync_buckets": stats.buckets, "response_tokens": float(batch.loss_mask.sum())}

@@ -8,7 +8,7 @@ import pytest
 from emapg_megatron.tasks import Task, get_task, render_prompt
 from emapg_megatron.tasks.data import BadRowError, DataFileError, MissingColumnError, load_rows
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SAMPLES = os.path.join(ROOT, "data", "samples")
 
 

@@ -4,9 +4,8 @@ import json
 import os
 
 import pytest
-
-from test_trainer import torchrun  # noqa: E402 - shared launcher
 from tiny_hf import SAMPLES, build_tiny_hf
+from trainer_launch import metrics, torchrun  # the shared launcher (tests/training)
 
 pytestmark = pytest.mark.slow
 
@@ -28,8 +27,7 @@ def run_task(tmp_path, argv):
     cmd = ["--task", *argv, *COMMON, "--log-dir", str(tmp_path)]
     r = torchrun(2, cmd, tmp_path, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    with open(os.path.join(tmp_path, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
+    return metrics(tmp_path)
 
 
 def test_math_task_trains_two_steps_at_tp2(tiny_hf, tmp_path):

@@ -9,7 +9,7 @@ import pytest
 from emapg_megatron import evaluate
 from emapg_megatron.tasks.passk import pass_at_k
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 S = os.path.join(ROOT, "data", "samples")
 
 

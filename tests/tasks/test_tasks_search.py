@@ -19,7 +19,7 @@ from emapg_megatron.tasks.search import (
     reward,
 )
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CORPUS = os.path.join(ROOT, "data", "samples", "corpus.jsonl")
 QA = os.path.join(ROOT, "data", "samples", "qa.jsonl")
 

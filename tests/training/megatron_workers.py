@@ -3,6 +3,7 @@
 import torch
 
 from emapg_megatron.models.gpt import ModelConfig
+from emapg_megatron.training.schedule import positions_for
 
 TINY = dict(vocab_size=100, make_vocab_size_divisible_by=64, hidden_size=64, ffn_hidden_size=128,
             num_layers=2, num_attention_heads=4, num_query_groups=2, max_position_embeddings=64)
@@ -18,48 +19,63 @@ def batch(seed: int, n: int = 4, seq: int = 16, vocab: int = 100):
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
-def positions(tokens):
-    return torch.arange(tokens.shape[1]).expand_as(tokens)
-
-
-def save_or_load(sharded_sd_fn, ckpt_dir: str, save: bool):
-    """Save (reference run) or load (parallel run) through Megatron's dist_checkpointing."""
+def save_or_load(chunks, optimizer, ckpt_dir: str, save: bool) -> None:
+    """Save the model (reference run) through Megatron's dist_checkpointing, or load it (parallel
+    run) as ``--pretrained-checkpoint`` does (``build.load_pretrained``: any TP/PP)."""
     from megatron.core import dist_checkpointing
 
+    from emapg_megatron.build import load_pretrained
+    from emapg_megatron.training.model_and_optimizer import unwrap
+
     if save:
-        dist_checkpointing.save(sharded_sd_fn(), ckpt_dir)
-        return None
-    return dist_checkpointing.load(sharded_sd_fn(), ckpt_dir)
+        dist_checkpointing.save(unwrap(chunks[0]).sharded_state_dict(), ckpt_dir)
+    else:
+        load_pretrained(chunks, optimizer, ckpt_dir)
 
 
-def _forward_step(data_iterator, model):
-    from functools import partial
+def lm_loss(logits, mb):
+    """Mean next-token cross-entropy of one micro-batch, from the vocab-sharded logits.
 
-    tokens, labels = next(data_iterator)
-    per_token = model(tokens, positions(tokens), None, labels=labels)
+    Megatron's ``vocab_parallel_cross_entropy`` on the full padded vocabulary: the per-token loss
+    GPTModel computes when given ``labels=`` (its padding columns count as real ones), so the
+    single-device references that call ``model(..., labels=...)`` directly compute the same value.
+    """
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-    def loss_func(per_token_loss):
-        loss = per_token_loss.float().mean()
-        return loss, {"loss": loss.detach()}
-
-    return per_token, partial(loss_func)
+    loss = vocab_parallel_cross_entropy(logits, mb["labels"]).float().mean()
+    return loss, {"loss": loss.detach()}
 
 
-def run_schedule(model_chunks, microbatches, forward_only=False):
-    from megatron.core.pipeline_parallel import get_forward_backward_func
+def run_schedule(model_chunks, microbatches):
+    """Forward + backward of :func:`lm_loss` over ``(tokens, labels)`` micro-batches through the
+    trainer's own pipeline pass (``training.schedule.forward_backward``), which ends with
+    Megatron's finalize_model_grads (the model config's hook). The losses, on the last stage."""
+    from emapg_megatron.training.schedule import forward_backward
 
-    seq = microbatches[0][0].shape[1]
-    mbs = microbatches[0][0].shape[0]
-    out = get_forward_backward_func()(
-        forward_step_func=_forward_step,
-        data_iterator=iter(microbatches),
-        model=model_chunks,
-        num_microbatches=len(microbatches),
-        seq_length=seq,
-        micro_batch_size=mbs,
-        forward_only=forward_only,
-    )
-    return [d["loss"] for d in out]
+    mbs = [{"tokens": tokens, "labels": labels} for tokens, labels in microbatches]
+    return [out["loss"] for out in forward_backward(model_chunks, mbs, lm_loss)]
+
+
+def checkpoint_trainer(model_chunks, optimizer, anchor):
+    """A :class:`~emapg_megatron.trainer.Trainer` holding only what its checkpoint covers (model,
+    optimizer, EMA, a constant LR schedule): the trainer's own checkpoint state, saved and resumed
+    by ``training.loop.save`` / ``resume``, for workers that build model and optimizer themselves.
+
+    Call it before the first optimizer step: like the trainer's, the schedule sets each parameter
+    group's learning rate and weight decay (Megatron leaves the decay of norms and biases to it).
+    """
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from emapg_megatron.trainer import Trainer
+
+    cfg = optimizer.config
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=cfg.lr, max_lr=cfg.lr, min_lr=cfg.lr, lr_warmup_steps=0, lr_decay_steps=1,
+        lr_decay_style="constant", start_wd=cfg.weight_decay, end_wd=cfg.weight_decay,
+        wd_incr_steps=1, wd_incr_style="constant")
+    return Trainer(model_chunks=model_chunks, optimizer=optimizer, scheduler=scheduler, anchor=anchor,
+                   sampler=None, task=None, tokenizer=None, passes=None, step_cfg=None, data=None,
+                   rollout_batch_size=0)
 
 
 def grads_by_global_name(ddp_model):
@@ -89,15 +105,12 @@ def foundation_run(ckpt_dir: str, save: bool, dist_opt: bool = False, adam_eps: 
         cfg, OptimConfig(lr=1e-2, use_distributed_optimizer=dist_opt, clip_grad=1.0,
                            adam_eps=adam_eps))
     gpt = unwrap(chunks[0])
-    loaded = save_or_load(gpt.sharded_state_dict, ckpt_dir, save)
-    if loaded is not None:
-        gpt.load_state_dict(loaded)
-        opt.reload_model_params()
+    save_or_load(chunks, opt, ckpt_dir, save)
     result = {}
     if ps.is_pipeline_first_stage() and ps.is_pipeline_last_stage():
         tokens, _ = batch(0)
         with torch.no_grad():
-            result["logits"] = gpt(tokens, positions(tokens), None)
+            result["logits"] = gpt(tokens, positions_for(tokens), None)
     # 4 micro-batches of the global batch, split over DP ranks.
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     micro = [batch(s, n=2) for s in range(1, 5)]

@@ -83,7 +83,7 @@ def test_metrics_jsonl_is_trimmed_to_the_resumed_step(tmp_path):
 
 
 # --- end to end: the real trainer, saved at TP=2 on 2 processes ---------------------------------
-from test_trainer import COMPARED, metrics, torchrun  # noqa: E402  (the trainer-test helpers)
+from trainer_launch import COMPARED, metrics, torchrun  # noqa: E402  (the trainer-test helpers)
 
 
 @pytest.fixture(scope="module")

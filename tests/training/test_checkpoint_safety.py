@@ -22,7 +22,7 @@ from emapg_megatron.training.checkpoint_verify import (
     verify_loaded_extra_state,
 )
 from emapg_megatron.training.run_lock import LOCK_NAME, SaveDirLock, lock_save_dir
-from checkpoint_workers import training_checkpoint_job
+from trainer_workers import training_checkpoint_job
 
 ITER = "iter_0000001"
 

@@ -11,9 +11,10 @@ weight that several ranks hold must be bit-identical across them afterwards.
 
 import pytest
 import torch
+from train_run_workers import train_steps
+from trainer_launch import COMPARED
 
 from emapg_megatron.multiprocess import run_distributed
-from train_run_workers import train_steps
 
 pytestmark = pytest.mark.slow
 
@@ -22,7 +23,6 @@ BASE = ["--preset", "tiny-cpu", "--tensor-model-parallel-size", "1", "--rollout-
         "--num-samples-per-prompt", "4", "--micro-batch-size", "4", "--global-batch-size", "8",
         "--ema-update-period", "1", "--ema-eta", "0.5", "--max-new-tokens", "4", "--lr", "0.002",
         "--kl-coef", "0.05", "--make-vocab-size-divisible-by", "8"]
-COMPARED = ("reward_mean", "kl", "pg_loss", "entropy", "clip_frac", "ema_lag")
 
 ROPE_LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 8192}

@@ -1,43 +1,17 @@
 """The trainer launched by torchrun: layouts agree with one rank, resume is bit-exact,
 SIGTERM checkpoints, NaN steps are skipped and counted."""
 
-import json
-import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
-
-from emapg_megatron.multiprocess import free_port, run_distributed
 from train_run_workers import refused_update_changes_nothing
+from trainer_launch import BASE, COMPARED, metrics, torchrun
 from trainer_workers import save_initial_weights
 
+from emapg_megatron.multiprocess import run_distributed
+
 pytestmark = pytest.mark.slow
-
-BASE = ["--preset", "tiny-cpu", "--rollout-batch-size", "4", "--num-samples-per-prompt", "4",
-        "--micro-batch-size", "4", "--global-batch-size", "8", "--ppo-epochs", "1",
-        "--ema-update-period", "1", "--ema-eta", "0.5", "--max-new-tokens", "4",
-        "--tensor-model-parallel-size", "1", "--untie-embeddings-and-output-weights",
-        # The WARP sequence-KL reward is on in every run, so layouts and resume cover it too.
-        "--kl-in-reward-coef", "0.05"]
-
-
-def torchrun(nproc, argv, log_dir, timeout=300, wait=True):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-           "--master_port", str(free_port()), "-m", "emapg_megatron.train", *BASE, *argv,
-           "--log-dir", str(log_dir)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_DEVICE_MAX_CONNECTIONS="1")
-    if not wait:
-        return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, start_new_session=True)
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-
-
-def metrics(log_dir):
-    with open(os.path.join(log_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
 
 
 @pytest.fixture(scope="module")
@@ -70,9 +44,6 @@ def test_anchor_starts_at_the_policy_and_rollout_logprobs_match(init_ckpt, refer
     assert 0 < first["rollout_time_s"] < first["step_time_s"]
     assert first["rollout_tokens_per_s"] > first["tokens_per_s"] > 0
     assert reference[-1]["kl"] > 1e-5  # later the policy moves away from the anchor
-
-
-COMPARED = ("reward_mean", "kl", "pg_loss", "entropy", "clip_frac", "ema_lag")
 
 
 @pytest.mark.parametrize("nproc, layout", [

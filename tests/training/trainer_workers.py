@@ -25,3 +25,62 @@ def save_initial_weights(ckpt_dir: str, argv: list, poison: bool = False):
             gpt.decoder.final_layernorm.weight[0] = math.nan
     dist_checkpointing.save(gpt.sharded_state_dict(), ckpt_dir)
     return None
+
+
+def training_checkpoint_job(root: str) -> dict:
+    """Save a small checkpoint the way the trainer does (``training.loop.save`` of the trainer's
+    model, optimizer, EMA, RNG and common state), then report check_finite_before_save on
+    poisoned weights and a resume of it with the distributed optimizer (``training.loop.resume``)."""
+    from types import SimpleNamespace
+
+    from megatron_workers import checkpoint_trainer
+
+    from emapg_megatron.anchor import EmaAnchor, EmaConfig
+    from emapg_megatron.models.gpt import ModelConfig
+    from emapg_megatron.runtime import ConfigError
+    from emapg_megatron.training import checkpointing, loop
+    from emapg_megatron.training.model_and_optimizer import (
+        OptimConfig,
+        build_model_and_optimizer,
+        unwrap,
+    )
+
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, ffn_hidden_size=64, num_layers=2,
+                      num_attention_heads=2, max_position_embeddings=16,
+                      make_vocab_size_divisible_by=8)
+    chunks, optimizer = build_model_and_optimizer(cfg, OptimConfig())
+    anchor = EmaAnchor(chunks, optimizer, EmaConfig())
+    trainer = checkpoint_trainer(chunks, optimizer, anchor)
+    checkpointing.materialize_optimizer_state(chunks, optimizer)  # Adam state, as after a step
+    checkpointing.check_finite_before_save(chunks, anchor, 1)  # all finite: no error
+    args = SimpleNamespace(save=root, load=root)
+    loop.save(args, trainer, 1)
+
+    def refusal(tensor, index, value):
+        old = tensor.view(-1)[index].item()
+        with torch.no_grad():
+            tensor.view(-1)[index] = value
+        try:
+            checkpointing.check_finite_before_save(chunks, anchor, 7)
+            return None
+        except ConfigError as e:
+            return str(e)
+        finally:
+            with torch.no_grad():
+                tensor.view(-1)[index] = old
+
+    gpt = unwrap(chunks[0])
+    out = {"weight": refusal(gpt.decoder.final_layernorm.weight, 3, math.nan),
+           "ema": refusal(anchor.stores[0].data, anchor.stores[0].bucket.slots[0].lo + 1, math.inf)}
+
+    # The layout a resume compares against: this run's, and one with the distributed optimizer,
+    # whose resume of this checkpoint is refused.
+    out["saved"] = checkpointing.current_layout(trainer.sharded_state_dict())
+    dchunks, doptimizer = build_model_and_optimizer(cfg, OptimConfig(use_distributed_optimizer=True))
+    dtrainer = checkpoint_trainer(dchunks, doptimizer, EmaAnchor(dchunks, doptimizer, EmaConfig()))
+    try:
+        loop.resume(args, dtrainer)
+    except ConfigError as e:
+        out["switch"] = str(e)
+    out["distributed"] = checkpointing.current_layout(dtrainer.sharded_state_dict(is_loading=True))
+    return out

@@ -20,25 +20,43 @@ from emapg_megatron.runtime import ConfigError
 
 @dataclass
 class ModelConfig:
+    """The architecture, in Hugging Face terms (maps 1:1 onto a Llama / Qwen2 / Qwen3 config.json)."""
+
     vocab_size: int = 128
+    """True vocabulary size (Megatron pads it, see :meth:`padded_vocab_size`)."""
     hidden_size: int = 64
+    """Model width."""
     ffn_hidden_size: int = 128
+    """SwiGLU intermediate size (HF intermediate_size)."""
     num_layers: int = 2
+    """Transformer layers (HF num_hidden_layers)."""
     num_attention_heads: int = 4
-    num_query_groups: int | None = None  # GQA: HF num_key_value_heads
-    kv_channels: int | None = None  # HF head_dim
+    """Query heads."""
+    num_query_groups: int | None = None
+    """Key/value heads for GQA (HF num_key_value_heads); None: one per query head."""
+    kv_channels: int | None = None
+    """Head dimension (HF head_dim); None: hidden_size / heads."""
     max_position_embeddings: int = 256
+    """RoPE table length."""
     rotary_base: float = 10000.0
-    # Llama 3.1-style frequency scaling (HF rope_type "llama3"); None: plain RoPE. Megatron fixes
-    # low/high frequency factors 1/4 and an original context of 8192, as Llama 3.x uses.
+    """RoPE theta."""
     rope_scaling_factor: float | None = None
+    """Llama 3.1-style frequency scaling (HF rope_type "llama3"); None: plain RoPE. Megatron fixes
+    the low/high frequency factors 1/4 and an original context of 8192, as Llama 3.x uses."""
     norm_epsilon: float = 1e-6
-    add_qkv_bias: bool = False  # Qwen2 / Qwen2.5
-    qk_layernorm: bool = False  # Qwen3
+    """RMSNorm epsilon."""
+    add_qkv_bias: bool = False
+    """Bias on the fused QKV projection (Qwen2 / Qwen2.5)."""
+    qk_layernorm: bool = False
+    """RMSNorm on queries and keys (Qwen3)."""
     tie_word_embeddings: bool = False
+    """The output layer shares the input embedding's weight."""
     make_vocab_size_divisible_by: int = 128
+    """Pad the vocabulary to a multiple of this x TP."""
     init_method_std: float = 0.02
+    """Weight init std (random init only)."""
     extra: dict = field(default_factory=dict)
+    """Anything else carried along (not used by the model build)."""
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":

@@ -76,19 +76,29 @@ def import_vllm():
 # --- configuration --------------------------------------------------------------------
 @dataclass
 class VLLMConfig:
-    hf_dir: str  # tokenizer and config.json; weights come from the trainer
+    hf_dir: str
+    """Tokenizer and config.json; the weights come from the trainer."""
     tensor_parallel_size: int = 1
-    gpu_memory_utilization: float = 0.5  # of the whole GPU, weights + KV cache, while awake
+    """vLLM's TP degree (divides the trainer's)."""
+    gpu_memory_utilization: float = 0.5
+    """Fraction of the whole GPU (weights + KV cache) vLLM may use while awake."""
     dtype: str = "bfloat16"
-    # 0: never sleep (vLLM keeps its memory during training). 2 (default) drops the weights too:
-    # each step's sync overwrites them anyway, so level 1's copy to CPU and back buys nothing.
+    """vLLM's weight dtype (the sync loads BF16 tensors as they are)."""
     sleep_level: int = 2
-    enforce_eager: bool = False  # True skips CUDA-graph capture (faster start, slower decode)
-    enable_prefix_caching: bool = True  # the n samples of a prompt share its prefill
+    """0: never sleep (vLLM keeps its memory during training). 2 (default) drops the weights too:
+    each step's sync overwrites them anyway, so level 1's copy to CPU and back buys nothing."""
+    enforce_eager: bool = False
+    """Skip CUDA-graph capture (faster start, slower decode)."""
+    enable_prefix_caching: bool = True
+    """The n samples of a prompt share its prefill."""
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    """Weight-sync bucket size."""
     seed: int = 1234
-    per_request_seed: bool = True  # samples independent of the DP layout (costs some speed)
-    llm_kwargs: dict = field(default_factory=dict)  # anything else for vllm.LLM
+    """Sampling seed."""
+    per_request_seed: bool = True
+    """Seed each request from its global sequence index: samples independent of the DP layout."""
+    llm_kwargs: dict = field(default_factory=dict)
+    """Anything else for vllm.LLM."""
 
     def validate(self, trainer_tp: int | None = None) -> None:
         if not os.path.isfile(os.path.join(self.hf_dir, "config.json")):

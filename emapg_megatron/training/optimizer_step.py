@@ -18,13 +18,17 @@ from emapg_megatron.training.collectives import all_true, reduce_max
 EXPLODED_WEIGHT = 1e6
 
 
+@torch.no_grad()
+def _max_abs(tensors: list) -> float:
+    """max |x| over ``tensors`` (NaN when any element is NaN), with one device sync."""
+    tensors = [t for t in tensors if t.numel()]
+    return float(torch.stack(torch._foreach_norm(tensors, float("inf"))).max()) if tensors else 0.0
+
+
 def local_grads_finite(model_chunks) -> bool:
-    for chunk in model_chunks:
-        for p in chunk.parameters():
-            g = getattr(p, "main_grad", None)
-            if g is not None and not bool(torch.isfinite(g).all()):
-                return False
-    return True
+    grads = [g for chunk in model_chunks for p in chunk.parameters()
+             if (g := getattr(p, "main_grad", None)) is not None]
+    return math.isfinite(_max_abs(grads))
 
 
 def step_if_finite(model_chunks, optimizer, scheduler, loss_values) -> bool:
@@ -40,12 +44,9 @@ def step_if_finite(model_chunks, optimizer, scheduler, loss_values) -> bool:
     return True
 
 
-@torch.no_grad()
 def largest_weight(model_chunks) -> float:
     """max |w| over the whole model (inf when any weight is non-finite), on every rank."""
-    params = [p.detach() for chunk in model_chunks for p in chunk.parameters() if p.numel()]
-    local = float(torch.stack(torch._foreach_norm(params, float("inf"))).max()) if params else 0.0
-    return reduce_max(local)
+    return reduce_max(_max_abs([p.detach() for chunk in model_chunks for p in chunk.parameters()]))
 
 
 def weights_problem(model_chunks, *, exploded_limit: float = EXPLODED_WEIGHT) -> str | None:

@@ -20,7 +20,9 @@ def test_trainer_cli_two_bf16_steps_on_cuda_local_spec(tmp_path):
     ms = read_metrics(tmp_path)
     check_common_metrics(ms)
     assert abs(ms[0]["kl"]) < 1e-4, ms[0]["kl"]  # step 1's only mini-batch: the anchor is the policy
-    assert ms[1]["kl"] > 1e-7, ms[1]["kl"]  # step 2: the policy moved away from the EMA
+    # Step 2: the policy moved away from the EMA. The Top-k estimate (exact on q plus a sampled,
+    # mean-corrected tail) is unbiased but not sign-definite: a true KL of ~1e-4 can read negative.
+    assert abs(ms[1]["kl"]) > 1e-7, ms[1]["kl"]
     assert ms[0]["ema_lag"] > 0 and ms[1]["ema_lag"] > 0
 
 
@@ -77,7 +79,7 @@ def test_ema_anchor_mode_two_trainer_steps(ema_runs, mode):
         assert max_excess(res["ema"][t], res["ema"][t - 1], res["weights"][t]) <= 0, (mode, t)
         assert any(not torch.equal(res["ema"][t][n], res["ema"][t - 1][n]) for n in e0), (mode, t)
     m1, m2 = res["metrics"]
-    assert abs(m1["kl"]) < 1e-4 and m2["kl"] > 1e-7, (m1["kl"], m2["kl"])
+    assert abs(m1["kl"]) < 1e-4 and abs(m2["kl"]) > 1e-7, (m1["kl"], m2["kl"])  # see the CLI test
 
 
 def test_ema_modes_agree_after_the_first_step(ema_runs):

@@ -15,6 +15,7 @@ from importlib import resources
 import yaml
 
 from emapg_megatron.algo.policy_loss import LossConfig
+from emapg_megatron.algo.rollout_correction import ROLLOUT_IS_MODES
 from emapg_megatron.anchor.ema import EmaConfig
 from emapg_megatron.kl import LOSS_TYPE_NAMES, TOPK_TAILS
 from emapg_megatron.models.gpt import PrecisionConfig
@@ -180,6 +181,15 @@ def build_parser() -> argparse.ArgumentParser:
       choices=("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"),
       help="how per-token losses are averaged over the batch")
     a("--entropy-coef", type=float, default=0.0, help="entropy bonus coefficient")
+    a("--rollout-is", default="none", choices=ROLLOUT_IS_MODES,
+      help="correct the PPO term for the rollout engine's log-probs differing from the trainer's: "
+           "tis truncates the per-token ratio pi_old/pi_sampling at the threshold; mis (IcePop) "
+           "keeps the ratio inside [lower, threshold] and drops tokens outside; none takes the "
+           "rollout as on-policy (docs/rollout_correction.md)")
+    a("--rollout-is-threshold", type=float, default=2.0,
+      help="upper bound of the ratio for --rollout-is tis/mis (> 1)")
+    a("--rollout-is-threshold-lower", type=float, default=None,
+      help="--rollout-is mis: lower bound of the ratio (default: 1/threshold)")
 
     a = g["kl"].add_argument
     a("--kl-loss-type", default="topk-reverse", choices=LOSS_TYPE_NAMES,
@@ -320,6 +330,9 @@ def validate(args: argparse.Namespace, world_size: int, cfg: ComponentConfigs | 
     _check(args.rollout_engine != "vllm" or args.load_hf is not None,
            "--rollout-engine vllm needs --load-hf (vLLM reads the tokenizer and config from it)")
     _check(args.max_turns >= 1, "--max-turns must be >= 1")
+    _check(args.rollout_is == "none" or (args.temperature == 1.0 and args.top_p == 1.0),
+           "--rollout-is compares the engine's log-probs with the trainer's, which are taken at "
+           "temperature 1 without top-p: it needs --temperature 1 --top-p 1")
     _validate_vllm(args)
 
 

@@ -27,7 +27,7 @@ from emapg_megatron.training.optimizer_step import check_weights, step_if_finite
 from emapg_megatron.training.schedule import (concat_outputs, forward_backward, forward_only,
                                               split_microbatches)
 
-LOSS_KEYS = ("pg_loss", "kl", "clip_frac", "entropy", "tokens")
+LOSS_KEYS = ("pg_loss", "kl", "clip_frac", "entropy", "rollout_is_corrected", "tokens")
 
 
 @dataclass
@@ -158,7 +158,8 @@ class PolicyPasses:
             kind=self.kl.loss_type, tail=self.kl.tail, alpha=self.kl.alpha,
             sampling_logprob=mb["sampling_logprob"], iw_clip=self.kl.iw_clip)
         return policy_loss_terms(terms.logprob, mb["old_logprob"], mb["advantages"],
-                                 kl * mb["mask"], terms.entropy, mb["mask"], self.loss)
+                                 kl * mb["mask"], terms.entropy, mb["mask"], self.loss,
+                                 sampling_logprob=mb["sampling_logprob"])
 
 
 @dataclass
@@ -432,6 +433,8 @@ class Trainer:
             "kl": g["kl"] / tokens,
             "entropy": g["entropy"] / tokens,
             "clip_frac": g["clip_frac"] / tokens,
+            # share of response tokens truncated (tis) or masked (mis); 0 without --rollout-is
+            "rollout_is_corrected_frac": g["rollout_is_corrected"] / tokens,
             "pg_loss": g["pg_loss"] / tokens,
             "ema_lag": self.anchor.lag(),
             "response_len": g["gen_tokens"] / rewards.numel(),

@@ -1,18 +1,40 @@
-"""Bad input fails before any work starts: one line on stderr, exit code 2, no traceback."""
+"""Bad input fails before any work starts: one line on stderr, exit code 2, no traceback.
 
+The CLI's entry point runs in this process (a ``--dry-run`` starts no process group), so each case
+costs milliseconds rather than an interpreter start; ``test_cli_subprocess_exit_code`` checks once
+that the real command line behaves the same.
+"""
+
+import contextlib
+import io
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
+
+from emapg_megatron import train
 
 BASE = ["--preset", "tiny-cpu", "--dry-run"]
 
 
 def run_cli(*argv, env_world=None):
-    cmd = [sys.executable, "-m", "emapg_megatron.train", *BASE, *argv]
-    if env_world is not None:
-        cmd += ["--world-size", str(env_world)]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    """``python -m emapg_megatron.train BASE argv`` in process: (returncode, stdout, stderr)."""
+    argv = [*BASE, *argv] + (["--world-size", str(env_world)] if env_world is not None else [])
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            train.main(argv)
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
+
+
+def test_cli_subprocess_exit_code():
+    cmd = [sys.executable, "-m", "emapg_megatron.train", *BASE, "--ema-eta", "1.5", "--world-size", "2"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.strip() == "error: --ema-eta must be in [0, 1] (got 1.5)", r.stderr
 
 
 @pytest.mark.parametrize("argv, world, message", [
@@ -49,6 +71,11 @@ def run_cli(*argv, env_world=None):
     (["--bf16", "--fp8-format", "hybrid"], 2,
      "FP8 needs every GEMM dimension to be a multiple of 16: the padded vocabulary / TP is 8"),
     (["--vocab-size", "5"], 2, "--vocab-size must cover the synthetic task's 13 token ids"),
+    (["--rollout-is", "tis", "--rollout-is-threshold", "1"], 2, "--rollout-is-threshold must be a finite number > 1"),
+    (["--rollout-is", "tis", "--rollout-is-threshold-lower", "0.5"], 2, "lower bound of --rollout-is mis only"),
+    (["--rollout-is", "mis", "--rollout-is-threshold-lower", "1.5"], 2, "must be in [0, 1)"),
+    (["--rollout-is", "tis", "--temperature", "0.7"], 2, "it needs --temperature 1 --top-p 1"),
+    (["--rollout-is", "mis", "--rollout-is-threshold", "5", "--rollout-is-threshold-lower", "0.2"], 2, None),
 ])
 def test_bad_input_is_one_clear_line(argv, world, message):
     r = run_cli(*argv, env_world=world)

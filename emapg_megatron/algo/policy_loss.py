@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from emapg_megatron.algo.rollout_correction import check_rollout_is, rollout_is_weights
 from emapg_megatron.runtime import ConfigError
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
@@ -25,6 +26,12 @@ class LossConfig:
     """Entropy bonus coefficient."""
     agg_mode: str = "token-mean"
     """token-mean | seq-mean-token-mean | seq-mean-token-sum."""
+    rollout_is: str = "none"
+    """Rollout-trainer mismatch correction of the PPO term: none | tis | mis (rollout_correction)."""
+    rollout_is_threshold: float = 2.0
+    """Upper bound C of the ratio pi_old/pi_sampling: truncation point (tis), mask above (mis)."""
+    rollout_is_threshold_lower: float | None = None
+    """mis only: mask below this ratio (default 1/C)."""
 
     def validate(self) -> None:
         """The flags of the loss, checked once (raises ConfigError with one line)."""
@@ -32,6 +39,7 @@ class LossConfig:
             raise ConfigError("PPO clip epsilons must be >= 0")
         if self.kl_coef < 0:
             raise ConfigError("--kl-coef must be >= 0")
+        check_rollout_is(self.rollout_is, self.rollout_is_threshold, self.rollout_is_threshold_lower)
 
 
 def ppo_clip(logprob, old_logprob, advantages, eps_low: float, eps_high: float):
@@ -64,10 +72,19 @@ def normaliser(mask: torch.Tensor, mode: str) -> torch.Tensor:
     return (mask.sum(dim=-1) > 0).float().sum()
 
 
-def policy_loss_terms(logprob, old_logprob, advantages, kl, entropy, mask, cfg: LossConfig):
-    """Weighted sum of per-token losses over the batch and its metrics (not normalised)."""
+def policy_loss_terms(logprob, old_logprob, advantages, kl, entropy, mask, cfg: LossConfig,
+                      sampling_logprob=None):
+    """Weighted sum of per-token losses over the batch and its metrics (not normalised).
+
+    ``sampling_logprob`` (the rollout engine's) is needed only by ``cfg.rollout_is`` != none.
+    """
     pg, clipped = ppo_clip(logprob, old_logprob, advantages.unsqueeze(-1),
                            cfg.clip_eps_low, cfg.clip_eps_high)
+    corrected = torch.zeros_like(pg)
+    if cfg.rollout_is != "none":
+        is_w, corrected = rollout_is_weights(old_logprob, sampling_logprob, cfg.rollout_is,
+                                             cfg.rollout_is_threshold, cfg.rollout_is_threshold_lower)
+        pg = pg * is_w
     per_token = pg + cfg.kl_coef * kl
     if entropy is not None and cfg.entropy_coef:
         per_token = per_token - cfg.entropy_coef * entropy
@@ -78,6 +95,7 @@ def policy_loss_terms(logprob, old_logprob, advantages, kl, entropy, mask, cfg: 
             "pg_loss": (pg * w).sum(),
             "kl": (kl * mask).sum(),
             "clip_frac": (clipped * mask).sum(),
+            "rollout_is_corrected": (corrected * mask).sum(),
             "entropy": (entropy * mask).sum() if entropy is not None else torch.zeros(()),
             "tokens": mask.sum(),
         }

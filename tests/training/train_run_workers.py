@@ -77,3 +77,32 @@ def refused_update_changes_nothing():
     moved = not all(torch.equal(a, b) for a, b in zip(before, state()))
     return {"refused": refused, "unchanged": unchanged, "adam_untouched": adam_untouched,
             "applied": applied, "moved": moved, "scheduler_steps": sched.count}
+
+
+def train_with_skewed_engine(argv: list) -> dict:
+    """One trainer step whose rollout engine reports skewed log-probs on known tokens.
+
+    Each response's first token gets ratio pi_old/pi_sampling = 3 (above the default threshold 2)
+    and its second 1/3 (below MIS's lower bound 1/2): returns the step's metrics and the expected
+    shares of truncated (tis) and masked (mis) tokens.
+    """
+    import math
+
+    from emapg_megatron import build
+
+    trainer = build.build_trainer(build.prepare(argv))
+    generate, counts = trainer.sampler.generate, {}
+
+    def skewed(*a, **kw):
+        batch = generate(*a, **kw)
+        lengths = batch.loss_mask.sum(-1).long()
+        for s, start in enumerate(batch.prompt_lengths.tolist()):
+            batch.sampling_logprobs[s, start] -= math.log(3.0)
+            if lengths[s] >= 2:
+                batch.sampling_logprobs[s, start + 1] += math.log(3.0)
+        tokens = float(lengths.sum())
+        counts.update(tis=len(lengths) / tokens, mis=(len(lengths) + int((lengths >= 2).sum())) / tokens)
+        return batch
+
+    trainer.sampler.generate = skewed
+    return {"metrics": trainer.step(1), "expected": counts}

@@ -13,7 +13,7 @@ command ends within 10 minutes on one H100):
 * ``bench_topk_kl`` fused Top-k KL vs Megatron's vocab_parallel_cross_entropy, bf16, T = 16384
                     tokens, V = 151936: time, peak memory, fraction of the measured HBM bandwidth
                     -> bench_topk_kl.json
-* ``bench_train``   20 bf16 trainer steps of a Qwen2.5-0.5B-shaped model: step time, tokens/s,
+* ``bench_train``   12 bf16 trainer steps of a Qwen2.5-0.5B-shaped model: step time, tokens/s,
                     peak memory -> bench_train.json
 
 then ``summary.json`` and a printed summary. Exit status 1 if a stage failed or a test failed
@@ -84,8 +84,8 @@ def stages(python: str = sys.executable, pytest_timeout_plugin: bool = True) -> 
                "--vocab", "151936", "--k", "32", "--dtype", "bfloat16", "--repeats", "5",
                "--timeout", "80", "--out", "{out}/bench_topk_kl.json"],
               "bench_topk_kl.json"),
-        Stage("bench_train", "20 bf16 trainer steps, Qwen2.5-0.5B shapes, random init", 175,
-              [python, "tools/bench_gpu_train.py", "--out", "{out}/bench_train.json", "--steps", "20",
+        Stage("bench_train", "12 bf16 trainer steps, Qwen2.5-0.5B shapes, random init", 175,
+              [python, "tools/bench_gpu_train.py", "--out", "{out}/bench_train.json", "--steps", "12",
                "--timeout", "140"],
               "bench_train.json"),
     ]

@@ -13,9 +13,31 @@ import os
 from dataclasses import dataclass
 
 import torch.distributed as dist
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from transformers import AutoTokenizer
 
 from emapg_megatron import arguments
+from emapg_megatron.anchor import EmaAnchor, StabilityMonitor
+from emapg_megatron.checkpoint import load_hf_weights
+from emapg_megatron.checkpoint.hf_config import model_config_from_hf, read_hf_config
+from emapg_megatron.models.gpt import (
+    ModelConfig,
+    validate_fp8_shapes,
+    validate_precision,
+)
+from emapg_megatron.rollout.megatron_sampler import MegatronSampler
+from emapg_megatron.rollout.vllm_engine import VLLMEngine
 from emapg_megatron.runtime import ConfigError
+from emapg_megatron.tasks import get_task
+from emapg_megatron.tasks.synthetic import CharTokenizer, CopyTask
+from emapg_megatron.trainer import PolicyPasses, Trainer
+from emapg_megatron.training.checkpoint_verify import load_verified
+from emapg_megatron.training.model_and_optimizer import (
+    build_model_and_optimizer,
+    unwrap,
+)
+from emapg_megatron.training.optimizer_step import check_loaded_weights
+from emapg_megatron.training.prompt_data import PromptSchedule, load_training_prompts
 
 
 @dataclass
@@ -62,13 +84,7 @@ def build_trainer(inputs: RunInputs):
 
 def build_tokenizer_and_task(args):
     if args.task == "synthetic-copy":
-        from emapg_megatron.tasks.synthetic import CharTokenizer, CopyTask
-
         return CharTokenizer(), CopyTask(seed=args.seed)
-    from transformers import AutoTokenizer
-
-    from emapg_megatron.tasks import get_task
-
     tokenizer = AutoTokenizer.from_pretrained(args.load_hf, local_files_only=True)
     if args.task == "math":
         return tokenizer, get_task("math", chat_template=args.chat_template,
@@ -80,24 +96,16 @@ def build_tokenizer_and_task(args):
 
 def load_prompts(args, tokenizer, task):
     """The training prompts, checked: readable data, every prompt fits --seq-length."""
-    from emapg_megatron.training.prompt_data import load_training_prompts
-
     return load_training_prompts(task, args.data_path, tokenizer, seq_length=args.seq_length,
                                  max_new_tokens=args.max_new_tokens, long_prompts=args.long_prompts)
 
 
 def model_config(args):
     """The architecture: from --load-hf's config.json, else from the flags (no weights read)."""
-    from emapg_megatron.models.gpt import ModelConfig
-
     if args.load_hf is not None:
-        from emapg_megatron.checkpoint.hf_config import model_config_from_hf, read_hf_config
-
         cfg, _ = model_config_from_hf(read_hf_config(args.load_hf),
                                       make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
         return cfg
-    from emapg_megatron.tasks.synthetic import CharTokenizer
-
     return arguments.component_config(
         ModelConfig, args, vocab_size=args.vocab_size or CharTokenizer().vocab_size,
         max_position_embeddings=max(args.max_position_embeddings, args.seq_length),
@@ -109,8 +117,6 @@ def world_size_from_env(args) -> int:
 
 
 def validate_model(args, configs: arguments.ComponentConfigs, model_cfg) -> None:
-    from emapg_megatron.models.gpt import validate_fp8_shapes, validate_precision
-
     model_cfg.validate(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
     if arguments.topk_k(args) > model_cfg.vocab_size:
         raise ConfigError(f"--kl-topk-tokens {args.kl_topk_tokens} exceeds the vocabulary "
@@ -129,22 +135,12 @@ def layout(args, world: int) -> dict:
 
 
 def build_run(args, cfg: arguments.ComponentConfigs, tokenizer, task, model_cfg, rows):
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-    from emapg_megatron.anchor import EmaAnchor, StabilityMonitor
-    from emapg_megatron.trainer import PolicyPasses, Trainer
-    from emapg_megatron.training.model_and_optimizer import build_model_and_optimizer
-    from emapg_megatron.training.optimizer_step import check_loaded_weights
-    from emapg_megatron.training.prompt_data import PromptSchedule
-
     chunks, optimizer = build_model_and_optimizer(model_cfg, cfg.optim, cfg.precision,
                                                   sequence_parallel=cfg.parallel.sequence_parallel)
     if args.pretrained_checkpoint:
         load_pretrained(chunks, optimizer, args.pretrained_checkpoint)
         check_loaded_weights(chunks, f"--pretrained-checkpoint {args.pretrained_checkpoint}")
     elif args.load_hf:
-        from emapg_megatron.checkpoint import load_hf_weights
-
         load_hf_weights(chunks, model_cfg, args.load_hf, progress=dist.get_rank() == 0)
         optimizer.reload_model_params()
         check_loaded_weights(chunks, f"--load-hf {args.load_hf}")
@@ -168,16 +164,12 @@ def build_run(args, cfg: arguments.ComponentConfigs, tokenizer, task, model_cfg,
 def build_rollout_engine(args, chunks, model_cfg, tokenizer):
     pad_id = getattr(tokenizer, "pad_token_id", None) or 0
     if args.rollout_engine == "vllm":
-        from emapg_megatron.rollout.vllm_engine import VLLMEngine
-
         cfg = arguments.vllm_config(args)
         # The trainer's layout decides whether a model-parallel group must share one batch. No
         # sync here: the first generate syncs, after --load / --pretrained-checkpoint have run.
         return VLLMEngine(cfg, model_cfg, seq_length=args.seq_length, pad_id=pad_id,
                           model_chunks=chunks, trainer_tp=args.tensor_model_parallel_size,
                           pipeline_parallel=args.pipeline_model_parallel_size)
-    from emapg_megatron.rollout.megatron_sampler import MegatronSampler
-
     return MegatronSampler(chunks, vocab_size=model_cfg.vocab_size,
                            eos_id=getattr(tokenizer, "eos_token_id", None), pad_id=pad_id,
                            seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
@@ -186,9 +178,6 @@ def build_rollout_engine(args, chunks, model_cfg, tokenizer):
 
 def load_pretrained(chunks, optimizer, path: str) -> None:
     """Model weights only (e.g. from `emapg-convert hf-to-mcore`), any TP/PP."""
-    from emapg_megatron.training.checkpoint_verify import load_verified
-    from emapg_megatron.training.model_and_optimizer import unwrap
-
     gpt = unwrap(chunks[0])
     gpt.load_state_dict(load_verified(gpt.sharded_state_dict(), path))  # nothing in it may run
     optimizer.reload_model_params()

@@ -124,6 +124,10 @@ import sys
 import threading
 
 import torch
+import torch.distributed as dist
+from megatron.core.tensor_parallel import random as mrandom
+from torch.autograd.variable import Variable
+from torch.distributed import distributed_c10d as c10d
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -742,8 +746,6 @@ def _megatron_gloo_groups():
 
 def _is_host_group(group) -> bool:
     if group is None:
-        from torch.distributed import distributed_c10d as c10d
-
         group = c10d._get_default_group() if c10d.is_initialized() else None
         if group is None:
             return False
@@ -823,9 +825,6 @@ def _wrap_new_group(orig):
 
 
 def _patch_distributed() -> None:
-    import torch.distributed as dist
-    from torch.distributed import distributed_c10d as c10d
-
     wrappers = {}
     for name in _TENSOR_COLLECTIVES + _OBJECT_COLLECTIVES + ("new_group",):
         orig = getattr(c10d, name, None)
@@ -876,8 +875,6 @@ def _install_strict() -> None:
     cuda._exchange_device = lambda device: 0
     cuda._maybe_exchange_device = lambda device: 0
     _patch_distributed()
-    from torch.autograd.variable import Variable
-
     if not isinstance(Variable._execution_engine, _TaggingEngine):
         Variable._execution_engine = _TaggingEngine(Variable._execution_engine)
     if not hasattr(torch.autograd._make_grads, "_emapg_original"):
@@ -921,8 +918,6 @@ def _patch_torch_cuda():
 
 def _patch_megatron_rng():
     # Megatron's tracker reads and writes the CUDA generator directly.
-    from megatron.core.tensor_parallel import random as mrandom
-
     mrandom._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: (
         torch.get_rng_state()
     )
@@ -996,8 +991,6 @@ def install(strict: bool | None = None) -> None:
         os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
         _patch_torch_cuda()
         _patch_megatron_rng()
-        from torch.autograd.variable import Variable
-
         Variable._execution_engine = _MappingEngine(Variable._execution_engine)
         CudaToCpuMode().__enter__()  # stays active for the process lifetime
         _installed = True

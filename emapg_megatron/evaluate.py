@@ -32,6 +32,9 @@ import sys
 from collections import OrderedDict
 from typing import Any, Mapping, Optional, Protocol, Sequence
 
+from .tasks import get_task
+from .tasks.passk import _check, default_ks, mean_pass_at_k
+
 logger = logging.getLogger("emapg_megatron.evaluate")
 
 __all__ = [
@@ -189,8 +192,6 @@ def score(task, rows: Sequence[Mapping[str, Any]], responses: Sequence[Sequence[
 
 
 def summarize(rows: Sequence[Mapping[str, Any]], correct: Sequence[Sequence[bool]], ks: Sequence[int]) -> dict:
-    from .tasks.passk import mean_pass_at_k
-
     groups: "OrderedDict[str, list[int]]" = OrderedDict()
     for pos, row in enumerate(rows):
         groups.setdefault(str(row.get("data_source") or "default"), []).append(pos)
@@ -328,8 +329,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _make_task(args) -> Any:
-    from .tasks import get_task
-
     kw: dict = {}
     if args.task == "math":
         if args.timeout is not None:
@@ -354,8 +353,6 @@ def _make_task(args) -> Any:
 def run(args) -> dict:
     if args.n_samples < 1:
         raise EvalError("--n-samples must be >= 1")
-    from .tasks.passk import _check, default_ks
-
     ks = default_ks(args.n_samples) if not args.k else _check(
         [int(x) for x in args.k.split(",") if x.strip()], args.n_samples)
     task = _make_task(args)

@@ -19,6 +19,7 @@ import traceback
 import torch
 import torch.multiprocessing as mp
 
+from emapg_megatron import runtime
 from emapg_megatron.runtime import ParallelConfig
 
 
@@ -48,8 +49,6 @@ def _worker(rank, world_size, port, cfg, fn, args, results):
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
     )
     torch.set_num_threads(threads_per_rank(world_size))
-    from emapg_megatron import runtime
-
     runtime.quiet_expected_warnings()
     try:
         runtime.initialize(cfg)

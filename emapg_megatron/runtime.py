@@ -15,6 +15,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+from emapg_megatron import cpu_device, expected_warnings
 
 
 class ConfigError(ValueError):
@@ -80,22 +84,9 @@ def validate_parallel(cfg: ParallelConfig, world_size: int, *, check_devices: bo
         )
 
 
-# Megatron-Core warnings that are expected without Apex/TE or on CPU and drown the progress
-# lines; anything else still shows.
-_EXPECTED_WARNINGS = (
-    r"Transformer Engine and Apex are not installed",
-    r"Apex is not installed",
-    r"full scope is deprecated",
-    r".*all_gather_into_tensor.* is deprecated",
-    r"When using async grad allreduce it is recommended",
-)
-
-
 def quiet_expected_warnings() -> None:
-    import warnings
-
-    for pattern in _EXPECTED_WARNINGS:
-        warnings.filterwarnings("ignore", message=pattern)
+    """Re-apply the package's filters (a caller's ``warnings.resetwarnings`` drops them)."""
+    expected_warnings.quiet()
 
 
 def _env_int(name: str, default: int) -> int:
@@ -104,15 +95,10 @@ def _env_int(name: str, default: int) -> int:
 
 def initialize(cfg: ParallelConfig) -> None:
     """Initialise torch.distributed (from torchrun's env vars) and Megatron's parallel_state."""
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
     world_size = _env_int("WORLD_SIZE", 1)
     validate_parallel(cfg, world_size)
     device, backend = cfg.resolved_device(), cfg.resolved_backend()
     if device == "cpu":
-        from emapg_megatron import cpu_device
-
         cpu_device.install()
     else:
         torch.cuda.set_device(_env_int("LOCAL_RANK", 0))
@@ -155,8 +141,6 @@ def model_parallel_options(cfg: ParallelConfig) -> dict:
 
 
 def destroy() -> None:
-    from megatron.core import parallel_state
-
     parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -170,8 +154,6 @@ def device() -> torch.device:
     a tensor is the same on both platforms and a missing placement shows up in CPU tests. Without
     the mapping and without a GPU (plain unit tests) it is the CPU.
     """
-    from emapg_megatron import cpu_device
-
     if cpu_device.installed() or torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -179,6 +161,4 @@ def device() -> torch.device:
 
 def hardware() -> str:
     """What really computes: ``"cuda"``, or ``"cpu"`` (CPU mode, or no GPU)."""
-    from emapg_megatron import cpu_device
-
     return "cuda" if torch.cuda.is_available() and not cpu_device.installed() else "cpu"

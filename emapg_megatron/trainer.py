@@ -13,19 +13,36 @@ import time
 from dataclasses import dataclass
 
 import torch
+from megatron.core import parallel_state as ps
 
 from emapg_megatron import runtime
 from emapg_megatron.algo.advantages import compute_advantages
 from emapg_megatron.algo.policy_loss import LossConfig, normaliser, policy_loss_terms
-from emapg_megatron.kl import SAMPLED, loss_type, uses_topk
+from emapg_megatron.kl import (
+    SAMPLED,
+    loss_type,
+    sequence_kl_penalized_reward,
+    uses_topk,
+)
+from emapg_megatron.parallel import (
+    kl_from_policy_terms,
+    vocab_parallel_logprobs_at,
+    vocab_parallel_policy_terms,
+    vocab_parallel_topk,
+)
+from emapg_megatron.rollout.engine import logprob_mismatch
 from emapg_megatron.runtime import ConfigError
 from emapg_megatron.tasks.base import encode_text
 from emapg_megatron.training import checkpointing
 from emapg_megatron.training.collectives import gather_cat, reduce_sum
 from emapg_megatron.training.model_and_optimizer import unwrap, zero_grads
 from emapg_megatron.training.optimizer_step import check_weights, step_if_finite
-from emapg_megatron.training.schedule import (concat_outputs, forward_backward, forward_only,
-                                              split_microbatches)
+from emapg_megatron.training.schedule import (
+    concat_outputs,
+    forward_backward,
+    forward_only,
+    split_microbatches,
+)
 
 LOSS_KEYS = ("pg_loss", "kl", "clip_frac", "entropy", "rollout_is_corrected", "tokens")
 
@@ -108,13 +125,9 @@ class PolicyPasses:
 
     @staticmethod
     def _tp_group():
-        from megatron.core import parallel_state as ps
-
         return ps.get_tensor_model_parallel_group()
 
     def old(self, logits, mb) -> dict:
-        from emapg_megatron.parallel import vocab_parallel_logprobs_at, vocab_parallel_topk
-
         out = {"old_logprob": vocab_parallel_logprobs_at(logits, mb["labels"], group=self._tp_group(),
                                                          vocab_size=self.vocab_size)}
         if self.kl.q_source == "old":
@@ -124,8 +137,6 @@ class PolicyPasses:
         return out
 
     def anchor(self, logits, mb) -> dict:
-        from emapg_megatron.parallel import vocab_parallel_logprobs_at, vocab_parallel_topk
-
         group = self._tp_group()
         out = {"ref_logprob": vocab_parallel_logprobs_at(logits, mb["labels"], group=group,
                                                          vocab_size=self.vocab_size)}
@@ -139,16 +150,12 @@ class PolicyPasses:
 
     def sequence_logprob(self, logits, mb):
         """Summed log-prob of the model's tokens (for the stability monitor's Fisher trace)."""
-        from emapg_megatron.parallel import vocab_parallel_policy_terms
-
         terms = vocab_parallel_policy_terms(logits, mb["labels"], None, group=self._tp_group(),
                                             vocab_size=self.vocab_size, loss_mask=mb["mask"])
         return (terms.logprob * mb["mask"]).sum(), {}
 
     def loss_terms(self, logits, mb):
         """(weighted loss sum, metrics) for one micro-batch."""
-        from emapg_megatron.parallel import kl_from_policy_terms, vocab_parallel_policy_terms
-
         q = mb.get("topk_index") if self.kl.uses_topk else None
         terms = vocab_parallel_policy_terms(logits, mb["labels"], q, group=self._tp_group(),
                                             vocab_size=self.vocab_size, with_entropy=True,
@@ -249,14 +256,10 @@ class Trainer:
     # --- parallel layout helpers -------------------------------------------------------
     @staticmethod
     def _dp():
-        from megatron.core import parallel_state as ps
-
         return ps.get_data_parallel_world_size(), ps.get_data_parallel_rank(), ps.get_data_parallel_group()
 
     @staticmethod
     def _is_last_stage() -> bool:
-        from megatron.core import parallel_state as ps
-
         return ps.is_pipeline_last_stage()
 
     # --- the step ----------------------------------------------------------------------
@@ -300,8 +303,6 @@ class Trainer:
         coef = self.cfg.kl_in_reward_coef
         if not coef or "ref_logprob" not in batch:  # off, or not the last pipeline stage
             return rewards
-        from emapg_megatron.kl import sequence_kl_penalized_reward
-
         return sequence_kl_penalized_reward(rewards, batch["old_logprob"], batch["ref_logprob"],
                                             batch["mask"], coef).float()
 
@@ -385,10 +386,6 @@ class Trainer:
 
     def rollout_mismatch(self, batch: dict) -> dict:
         """Rollout engine log-probs vs the trainer's recomputed old log-probs (last stage, all DP)."""
-        from megatron.core import parallel_state as ps
-
-        from emapg_megatron.rollout.engine import logprob_mismatch
-
         values = {"rollout_logprob_diff": 0.0, "rollout_iw_max": 0.0}
         if self._is_last_stage():
             m = logprob_mismatch(batch["sampling_logprob"], batch["old_logprob"], batch["mask"],
@@ -451,6 +448,4 @@ class Trainer:
 
 
 def _tp_rank() -> int:
-    from megatron.core import parallel_state as ps
-
     return ps.get_tensor_model_parallel_rank()

@@ -107,7 +107,7 @@ def test_trainer_benchmark_command_is_accepted_by_the_trainer_cli(checks, tmp_pa
     bench = load_tool("bench_gpu_train")
     argv = stage_argv(checks, "bench_train", str(tmp_path))
     args = bench.build_parser().parse_args(argv[2:])
-    assert args.steps == 20 and args.timeout < 175
+    assert args.steps == 12 and args.timeout < 175
     assert bench.main(argv[2:] + ["--work-dir", str(tmp_path / "work"), "--dry-run"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["model"]["params"] == 494032768  # Qwen2.5-0.5B
@@ -120,7 +120,7 @@ def test_trainer_benchmark_command_is_accepted_by_the_trainer_cli(checks, tmp_pa
     assert {k: resolved["model"][k] for k in expect} == expect
     assert resolved["model"]["vocab_size"] % resolved["model"]["make_vocab_size_divisible_by"] == 0  # no padding
     a = resolved["args"]
-    assert a["bf16"] and a["device"] == "cuda" and a["train_iters"] == 20 and a["transformer_impl"] == "auto"
+    assert a["bf16"] and a["device"] == "cuda" and a["train_iters"] == 12 and a["transformer_impl"] == "auto"
 
 
 def test_trainer_benchmark_reads_peak_memory_from_the_metrics(checks, tmp_path):

@@ -21,8 +21,16 @@ import math
 from dataclasses import replace
 
 import torch
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import (
+    ShardedTensor,
+    ShardedTensorFactory,
+)
 
 from emapg_megatron.runtime import ConfigError
+from emapg_megatron.training.checkpoint_verify import verify_checkpoint_metadata
+from emapg_megatron.training.model_and_optimizer import unwrap
 
 logger = logging.getLogger(__name__)
 
@@ -60,9 +68,6 @@ def flat_range_blocks(shape: tuple, lo: int, hi: int) -> list[tuple[tuple, tuple
 
 def _templates(sh, param):
     """(ShardedTensor, flat offset in param) for each tensor the model would save for ``param``."""
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
-
     if isinstance(sh, ShardedTensor):
         return [(sh, 0)]
     # A factory transforms the param before saving (SwiGLU: two halves with their own offsets):
@@ -91,14 +96,6 @@ def _stored_runs(anchor):
 
 
 def build_sharded_state_dict(anchor, model_sharded_state_dict=None) -> dict:
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import (
-        ShardedTensor,
-        ShardedTensorFactory,
-    )
-
-    from emapg_megatron.training.model_and_optimizer import unwrap
-
     if model_sharded_state_dict is None:  # the GPTModel's own keys, as the trainer saves them
         model_sharded_state_dict = {f"chunk{i}": unwrap(c).sharded_state_dict()
                                     for i, c in enumerate(anchor.model_chunks)}
@@ -175,10 +172,6 @@ def check_checkpoint(anchor, ckpt_dir: str) -> None:
 
     ``dist_checkpointing.load`` would otherwise fail deep inside torch DCP on a shape mismatch.
     """
-    from megatron.core import dist_checkpointing
-
-    from emapg_megatron.training.checkpoint_verify import verify_checkpoint_metadata
-
     verify_checkpoint_metadata(ckpt_dir)  # megatron unpickles .metadata: nothing in it may run
     stored = dist_checkpointing.load_tensors_metadata(ckpt_dir)
     checked = set()

@@ -16,7 +16,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from emapg_megatron.anchor.checkpoint import (
+    build_sharded_state_dict,
+    check_checkpoint,
+    load_loaded_state,
+)
 from emapg_megatron.anchor.layout import Bucket, build_layout
+from emapg_megatron.anchor.swap import swap
 from emapg_megatron.runtime import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -192,8 +198,6 @@ class EmaAnchor:
     @contextmanager
     def swapped_in(self):
         """Run the anchor forward passes on the live model: EMA weights in, policy restored bit for bit."""
-        from emapg_megatron.anchor.swap import swap
-
         if self._swapped:
             raise RuntimeError("EmaAnchor.swapped_in() is not re-entrant")
         with swap(self):
@@ -277,18 +281,12 @@ class EmaAnchor:
         Pass the model's ``sharded_state_dict()`` (the one saved with it) or None to build it
         from the model chunks. EMA tensors carry the model's keys with an ``ema.`` prefix.
         """
-        from emapg_megatron.anchor.checkpoint import build_sharded_state_dict
-
         return build_sharded_state_dict(self, model_sharded_state_dict)
 
     def load_state_dict(self, loaded: dict) -> None:
         """Take the result of ``dist_checkpointing.load(anchor.sharded_state_dict(...), dir)``."""
-        from emapg_megatron.anchor.checkpoint import load_loaded_state
-
         load_loaded_state(self, loaded)
 
     def check_checkpoint(self, ckpt_dir: str) -> None:
         """Raise ConfigError naming the first EMA tensor whose shape in ``ckpt_dir`` mismatches."""
-        from emapg_megatron.anchor.checkpoint import check_checkpoint
-
         check_checkpoint(self, ckpt_dir)

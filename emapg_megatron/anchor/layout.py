@@ -25,8 +25,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
+from megatron.core.fp8_utils import is_float8tensor
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+from megatron.core.optimizer.optimizer import (
+    Float16OptimizerWithFloat16Params,
+    FP32Optimizer,
+)
+from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+from megatron.core.transformer.module import param_is_not_shared
 
 from emapg_megatron.runtime import ConfigError
+from emapg_megatron.training.model_and_optimizer import global_param_name, unwrap
 
 
 @dataclass
@@ -76,8 +86,6 @@ class Bucket:
 
     def gather_flat_param(self) -> None:
         """Every DP rank wrote its shard of the param buffer: all-gather it in place."""
-        import torch.distributed as dist
-
         if self.dp_size > 1:
             dist.all_gather_into_tensor(self.flat_param, self.flat_param[self.shard_lo:self.shard_hi],
                                         group=self.dp_group)
@@ -112,12 +120,6 @@ def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _main_runs(optimizer) -> tuple[dict[int, list[tuple[torch.Tensor, int, int]]], bool]:
     """``id(model_param) -> [(fp32 main 1-D, lo, hi)]`` for every optimizer kind in megatron-core 0.16."""
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-    from megatron.core.optimizer.optimizer import (
-        Float16OptimizerWithFloat16Params,
-        FP32Optimizer,
-    )
-
     runs: dict[int, list] = {}
     kinds = set()
     for opt in inner_optimizers(optimizer):
@@ -154,12 +156,6 @@ def _main_runs(optimizer) -> tuple[dict[int, list[tuple[torch.Tensor, int, int]]
 
 
 def build_layout(model_chunks: list, optimizer) -> Layout:
-    from megatron.core.fp8_utils import is_float8tensor
-    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
-    from megatron.core.transformer.module import param_is_not_shared
-
-    from emapg_megatron.training.model_and_optimizer import global_param_name, unwrap
-
     runs, distributed = _main_runs(optimizer)
     buckets: list[Bucket] = []
     dtypes = set()

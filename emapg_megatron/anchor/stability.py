@@ -28,6 +28,14 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.distributed.finalize_model_grads import (
+    _allreduce_non_tensor_model_parallel_grads,
+    _allreduce_word_embedding_grads,
+)
+from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+from megatron.core.transformer.module import param_is_not_shared
+from megatron.core.utils import get_model_config
 
 from emapg_megatron.runtime import ConfigError
 
@@ -60,13 +68,6 @@ def _grad(param) -> torch.Tensor | None:
 
 def _finalize_sequence_grads(model_chunks) -> None:
     """The cross-rank completions Megatron's finalize_model_grads does, without the DP reduction."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.distributed.finalize_model_grads import (
-        _allreduce_non_tensor_model_parallel_grads,
-        _allreduce_word_embedding_grads,
-    )
-    from megatron.core.utils import get_model_config
-
     if not hasattr(model_chunks[0], "ddp_config"):
         return
     config = get_model_config(model_chunks[0])
@@ -77,8 +78,6 @@ def _finalize_sequence_grads(model_chunks) -> None:
 @contextmanager
 def _without_schedule_grad_hooks(model_chunks):
     """A trainer may let Megatron's schedule finalise (DP-reduce) grads; not for per-sequence grads."""
-    from megatron.core.utils import get_model_config
-
     config = get_model_config(model_chunks[0])
     names = ("finalize_model_grads_func", "grad_sync_func", "param_sync_func")
     saved = {n: getattr(config, n, None) for n in names}
@@ -92,9 +91,6 @@ def _without_schedule_grad_hooks(model_chunks):
 
 
 def _local_sq_norm(model_chunks) -> torch.Tensor:
-    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
-    from megatron.core.transformer.module import param_is_not_shared
-
     total = None
     for chunk in model_chunks:
         for param in chunk.parameters():
@@ -121,8 +117,6 @@ def sequence_grad_sq_norms(model_chunks: list, sequences, logprob_fn: Callable) 
     which are zeroed before each sequence and left zeroed: call it outside the
     gradient accumulation of a training step.
     """
-    from megatron.core import parallel_state as ps
-
     norms = []
     try:
         for seq in sequences:
@@ -181,8 +175,6 @@ class StabilityMonitor:
     def estimate(self, model_chunks: list, sequences, logprob_fn: Callable, *,
                  lr: float | None = None, beta: float | None = None) -> StabilityEstimate:
         """λ̂ from ``sequences`` (this DP rank's share) and the margin ``1 + η − lr·β·λ̂``."""
-        from megatron.core import parallel_state as ps
-
         lr = self.lr if lr is None else lr
         beta = self.beta if beta is None else beta
         if lr is None or beta is None:

@@ -22,12 +22,11 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import torch
+from megatron.core import tensor_parallel
 
 
 class _RngState:
     def __init__(self):
-        from megatron.core import tensor_parallel
-
         self.cpu = torch.get_rng_state()
         self.cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
         self.tracker = tensor_parallel.get_cuda_rng_tracker()

@@ -14,6 +14,7 @@ import argparse
 import json
 import sys
 
+from emapg_megatron.checkpoint import convert, verify
 from emapg_megatron.runtime import ConfigError
 
 
@@ -55,8 +56,6 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _run(args) -> dict:
-    from emapg_megatron.checkpoint import convert, verify
-
     if args.command == "hf-to-mcore":
         return convert.hf_to_mcore(args.hf_dir, args.out, tp=args.tp, pp=args.pp, dtype=args.dtype,
                                    make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,

@@ -22,7 +22,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core import parallel_state as ps
+from tqdm import tqdm
 
+from emapg_megatron import runtime
 from emapg_megatron.checkpoint.hf_config import (
     check_same_architecture,
     hf_config_from_model,
@@ -36,9 +40,15 @@ from emapg_megatron.checkpoint.hf_io import (
     copy_tokenizer_files,
 )
 from emapg_megatron.checkpoint.hf_mapping import HFMapping
-from emapg_megatron.checkpoint.weights import export_hf_weights, high_precision, load_hf_weights
+from emapg_megatron.checkpoint.weights import (
+    export_hf_weights,
+    high_precision,
+    load_hf_weights,
+)
 from emapg_megatron.models.gpt import ModelConfig, PrecisionConfig, build_gpt_model
+from emapg_megatron.multiprocess import free_port
 from emapg_megatron.runtime import ConfigError
+from emapg_megatron.training.checkpoint_verify import load_verified
 from emapg_megatron.training.model_and_optimizer import unwrap
 
 METADATA = "emapg_model_config.json"
@@ -131,8 +141,6 @@ def save_mcore(model_chunks, out_dir: str | Path, metadata: dict, *, overwrite: 
 
     Rank 0 owns the temporary directory and renames it once every rank has written its shards.
     """
-    from megatron.core import dist_checkpointing
-
     for chunk in model_chunks:
         for name, p in unwrap(chunk).named_parameters():
             high_precision(name, p.detach())
@@ -169,8 +177,6 @@ def load_mcore(model_chunks, ckpt_dir: str | Path) -> None:
     The vocabulary padding may differ from the saved one (Megatron marks the embedding and
     output layer ``allow_shape_mismatch``).
     """
-    from emapg_megatron.training.checkpoint_verify import load_verified
-
     if not (Path(ckpt_dir) / "metadata.json").is_file():
         raise ConfigError(f"{ckpt_dir} is not a Megatron dist checkpoint (no metadata.json)")
     sharded = _sharded_state_dict(model_chunks)
@@ -185,11 +191,6 @@ def load_mcore(model_chunks, ckpt_dir: str | Path) -> None:
 @contextmanager
 def single_process_runtime():
     """A world of one CPU rank (TP=PP=1) for the converter; reuses an existing one-rank world."""
-    from megatron.core import parallel_state as ps
-
-    from emapg_megatron import runtime
-    from emapg_megatron.multiprocess import free_port
-
     if ps.model_parallel_is_initialized():
         if dist.get_world_size() != 1:
             raise ConfigError("checkpoint conversion runs in a single process, not inside a "
@@ -258,8 +259,6 @@ def mcore_to_hf(load: str | Path, out: str | Path, *, hf_template: str | Path | 
     """Convert a checkpoint written by :func:`hf_to_mcore` / :func:`save_mcore` back to HF:
     ``config.json``, sharded safetensors with ``model.safetensors.index.json`` and, from
     ``hf_template``, the tokenizer and generation files. Returns a summary dict."""
-    from tqdm import tqdm
-
     meta = read_checkpoint_metadata(load)
     cfg, arch, dtype = ModelConfig.from_dict(meta["model_config"]), meta["architecture"], meta["dtype"]
     base = meta.get("hf_config")

@@ -15,6 +15,7 @@ import struct
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 from emapg_megatron.runtime import ConfigError
 
@@ -54,8 +55,6 @@ class SafetensorsReader:
                     self._shapes[name] = tuple(handle.get_slice(name).get_shape())
 
     def _open(self, file: str):
-        from safetensors import safe_open
-
         return safe_open(str(self.dir / file), framework="pt")
 
     def names(self) -> list[str]:

@@ -10,8 +10,15 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from megatron.core import parallel_state as ps
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+from transformers import AutoModelForCausalLM
 
+from emapg_megatron import runtime
 from emapg_megatron.checkpoint.convert import checkpoint_model_config, load_mcore
+from emapg_megatron.models.gpt import build_for_this_rank
+from emapg_megatron.multiprocess import run_distributed
 
 
 def megatron_logits(model_chunks, tokens: torch.Tensor) -> torch.Tensor | None:
@@ -20,12 +27,6 @@ def megatron_logits(model_chunks, tokens: torch.Tensor) -> torch.Tensor | None:
     Runs Megatron's pipeline schedule (forward only), so it works at any PP; vocab-parallel
     logits are gathered over TP.
     """
-    from megatron.core import parallel_state as ps
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
-
-    from emapg_megatron import runtime
-
     tokens = tokens.to(runtime.device())
     b, s = tokens.shape
     positions = torch.arange(s, device=tokens.device).expand(b, s)
@@ -44,10 +45,6 @@ def megatron_logits(model_chunks, tokens: torch.Tensor) -> torch.Tensor | None:
 
 
 def _verify_rank(ckpt_dir: str, tokens: torch.Tensor) -> dict:
-    from megatron.core import parallel_state as ps
-
-    from emapg_megatron.models.gpt import build_for_this_rank
-
     cfg = checkpoint_model_config(ckpt_dir)
     model = build_for_this_rank(cfg)
     load_mcore([model], ckpt_dir)
@@ -58,8 +55,6 @@ def _verify_rank(ckpt_dir: str, tokens: torch.Tensor) -> dict:
 
 
 def hf_logits(hf_dir: str | Path, tokens: torch.Tensor) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
-
     model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
     model.eval()
     with torch.no_grad():
@@ -79,8 +74,6 @@ def compare_logits(ours: torch.Tensor, ref: torch.Tensor) -> dict:
 def verify(hf_dir: str | Path, ckpt_dir: str | Path, *, tp: int = 1, pp: int = 1, batch: int = 2,
            seq_len: int = 32, seed: int = 0, device: str = "cpu", timeout: float = 1800.0) -> dict:
     """Logit agreement between the HF model and the Megatron checkpoint loaded at TP x PP."""
-    from emapg_megatron.multiprocess import run_distributed
-
     cfg = checkpoint_model_config(ckpt_dir)
     cfg.validate(tp, pp)
     g = torch.Generator().manual_seed(seed)

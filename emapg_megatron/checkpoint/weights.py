@@ -18,7 +18,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from tqdm import tqdm
 
+from emapg_megatron import runtime
 from emapg_megatron.checkpoint.hf_io import SafetensorsReader
 from emapg_megatron.checkpoint.hf_mapping import HFMapping, dict_reader
 from emapg_megatron.models.gpt import ModelConfig
@@ -45,8 +48,6 @@ def _check_layout(name: str, codec, param) -> None:
 
 
 def _mapped(model_chunks, mapping: HFMapping) -> list[tuple[str, torch.nn.Parameter]]:
-    from megatron.core import parallel_state as ps
-
     params = list(_named_params(model_chunks))
     unknown = [n for n, _ in params if mapping.lookup(n) is None]
     if unknown:
@@ -68,9 +69,6 @@ def load_hf_weights(model_chunks, model_cfg: ModelConfig,
     optimizer already built, call ``optimizer.reload_model_params()`` afterwards. Returns the
     number of bytes written into parameters.
     """
-    from megatron.core import parallel_state as ps
-    from tqdm import tqdm
-
     mapping = HFMapping(model_cfg)
     if isinstance(hf, Mapping):
         read, shapes = dict_reader(hf), {n: tuple(t.shape) for n, t in hf.items()}
@@ -190,10 +188,6 @@ def export_hf_buckets(model_chunks, model_cfg: ModelConfig, *, bucket_bytes: int
                       all_stages: bool = True, dtype: torch.dtype | None = None
                       ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Like :func:`export_hf_weights`, one list per communication bucket."""
-    from megatron.core import parallel_state as ps
-
-    from emapg_megatron import runtime
-
     mapping = HFMapping(model_cfg)
     local = {mapping.lookup(n).megatron: high_precision(n, p.detach())
              for n, p in _mapped(model_chunks, mapping) if mapping.lookup(n).export}

@@ -26,6 +26,8 @@ from .base import (
     encode_text,
     render_prompt,
 )
+from .math import MathTask
+from .search import SearchTask
 
 __all__ = [
     "Task",
@@ -46,14 +48,10 @@ __all__ = [
 
 
 def _math(**kw: Any) -> Task:
-    from .math import MathTask
-
     return MathTask(**kw)
 
 
 def _search(**kw: Any) -> Task:
-    from .search import SearchTask
-
     return SearchTask(**kw)
 
 

@@ -33,8 +33,19 @@ Multi turn (``task.multi_turn`` is True)::
 from __future__ import annotations
 
 import abc
+import os
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Optional, Protocol, Sequence, runtime_checkable
+from typing import (
+    Any,
+    Iterable,
+    Mapping,
+    Optional,
+    Protocol,
+    Sequence,
+    runtime_checkable,
+)
+
+from .data import load_rows
 
 __all__ = [
     "TokenizerLike",
@@ -93,8 +104,6 @@ def encode_many(tokenizer: Any, texts: Sequence[str], *, batch_size: int = 1024)
     texts = list(texts)
     if not (getattr(tokenizer, "is_fast", False) is True and callable(tokenizer)):
         return [encode_text(tokenizer, t) for t in texts]
-    import os
-
     out: list[list[int]] = []
     unset = "TOKENIZERS_PARALLELISM" not in os.environ
     if unset:
@@ -253,8 +262,6 @@ class Task(abc.ABC):
 
         ``load_kwargs`` go to :func:`.data.load_rows` (``return_report``, ``map_hint``, ``warn``).
         """
-        from .data import load_rows
-
         mapping = dict(self.default_fields)
         mapping.update(fields or {})
         return load_rows(

@@ -27,6 +27,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
+import datasets
+import pyarrow as pa
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["BadRowError", "DataFileError", "MissingColumnError", "LoadReport", "load_rows",
@@ -173,8 +176,6 @@ def _schema_columns(schema: Any) -> list[str]:
 
 def _schema_has(schema: Any, column: str) -> bool:
     """Whether a parquet schema has ``column`` (a dotted column walks struct fields)."""
-    import pyarrow as pa
-
     if column in schema.names:
         return True
     fields = {f.name: f for f in schema}
@@ -250,8 +251,6 @@ def load_rows(
       MissingColumnError: a required column is in no row (for parquet: not in the schema).
       BadRowError: bad rows with ``on_bad_row="error"``.
     """
-    import datasets
-
     if on_bad_row not in ("skip", "error"):
         raise ValueError(f"on_bad_row must be 'skip' or 'error', got {on_bad_row!r}")
     paths = [path] if isinstance(path, (str, os.PathLike)) else list(path)

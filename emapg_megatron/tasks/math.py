@@ -40,7 +40,7 @@ from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from typing import Any, Mapping, Optional, Sequence, Union
 
-from .base import Task, render_prompt
+from .base import Task, _iter_rows, render_prompt
 
 logger = logging.getLogger(__name__)
 
@@ -791,8 +791,6 @@ class MathTask(Task):
         return self.rewards([response], [row])[0]
 
     def rewards(self, responses, rows) -> list[float]:
-        from .base import _iter_rows
-
         rows = list(_iter_rows(rows))
         return rewards(
             responses, [self._gt(r) for r in rows], format_bonus=self.config.format_bonus,
@@ -803,8 +801,6 @@ class MathTask(Task):
         return self.correct_many([response], [row])[0]
 
     def correct_many(self, responses, rows) -> list[bool]:
-        from .base import _iter_rows
-
         rows = list(_iter_rows(rows))
         return correct_many(
             responses, [self._gt(r) for r in rows], think_end_tag=self.config.think_end_tag,

@@ -47,6 +47,10 @@ import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Optional, Protocol, Sequence, Union
 
+import numpy as np
+import torch
+from transformers import AutoModel, AutoTokenizer
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -206,9 +210,6 @@ class DenseRetriever:
                 "(or use the BM25 retriever from the [search] extra)"
             )
         import faiss
-        import torch
-        from transformers import AutoModel, AutoTokenizer
-
         self._torch = torch
         self.passages = load_corpus(corpus)
         self.index = faiss.read_index(index_path)
@@ -232,8 +233,6 @@ class DenseRetriever:
             mask = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)
             emb = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1)
             out.append(torch.nn.functional.normalize(emb, dim=-1).cpu().numpy().astype("float32"))
-        import numpy as np
-
         return np.concatenate(out, axis=0)
 
     def batch_search(self, queries: Sequence[str], k: int = 3) -> list[list[dict]]:

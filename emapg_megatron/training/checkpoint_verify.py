@@ -32,6 +32,8 @@ import warnings
 from dataclasses import dataclass
 
 import torch
+from megatron.core import dist_checkpointing
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from emapg_megatron.runtime import ConfigError
 
@@ -94,8 +96,6 @@ def _refusal(path: str, what: str) -> ConfigError:
 
 def read_dcp_metadata(path: str):
     """torch's checkpoint ``Metadata`` from ``path`` without executing anything else."""
-    from torch.distributed.checkpoint.metadata import Metadata
-
     try:
         with open(path, "rb") as f:
             metadata = _MetadataUnpickler(f).load()
@@ -154,8 +154,6 @@ def read_metadata_json(ckpt_dir: str) -> dict:
 
 def _verify_byte_items(ckpt_dir: str, metadata) -> None:
     """Every ShardedObject payload must load with weights_only=True (torch loads it without)."""
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
-
     root = os.path.realpath(ckpt_dir)
     for index, info in (metadata.storage_data or {}).items():
         if not isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
@@ -304,8 +302,6 @@ def verify_loaded_extra_state(loaded, where: str) -> None:
 
 def load_verified(sharded_state_dict: dict, ckpt_dir: str) -> dict:
     """``dist_checkpointing.load`` of a checkpoint checked first, so nothing in it can run."""
-    from megatron.core import dist_checkpointing
-
     verify_checkpoint_metadata(ckpt_dir)
     loaded = dist_checkpointing.load(sharded_state_dict, str(ckpt_dir))
     verify_loaded_extra_state(loaded, str(ckpt_dir))

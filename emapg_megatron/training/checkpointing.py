@@ -24,11 +24,19 @@ import shutil
 
 import torch
 import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core import parallel_state as ps
+from megatron.core.dist_checkpointing.mapping import ShardedObject
 
 from emapg_megatron.runtime import ConfigError
 from emapg_megatron.training.checkpoint_verify import (
     verify_checkpoint_metadata,
     verify_loaded_extra_state,
+)
+from emapg_megatron.training.model_and_optimizer import (
+    global_param_name,
+    unwrap,
+    zero_grads,
 )
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -49,8 +57,6 @@ def _atomic_write_text(path: str, text: str) -> None:
 
 
 def _rng_sharded_object():
-    from megatron.core.dist_checkpointing.mapping import ShardedObject
-
     rank, world = dist.get_rank(), dist.get_world_size()
     state = {"torch": torch.get_rng_state(), "world_size": world}
     return ShardedObject("rng_state", state, (world,), (rank,), replica_id=0)
@@ -58,8 +64,6 @@ def _rng_sharded_object():
 
 def save(root: str, iteration: int, sharded_state_dict: dict, common: dict) -> str:
     """Save ``sharded_state_dict`` (model/optimizer/ema ...) and ``common`` atomically."""
-    from megatron.core import dist_checkpointing
-
     final = iteration_dir(root, iteration)
     tmp = final + ".tmp"
     if dist.get_rank() == 0:
@@ -117,8 +121,6 @@ def materialize_optimizer_state(model_chunks, optimizer) -> None:
     """megatron-core 0.16.1 with torch Adam (no TE/Apex) cannot describe optimizer state before
     the first step; a zero-gradient step creates it. Everything it touches is then overwritten
     by the checkpoint load."""
-    from emapg_megatron.training.model_and_optimizer import zero_grads
-
     zero_grads(model_chunks, optimizer)
     optimizer.step()
 
@@ -170,8 +172,6 @@ def optimizer_format(optimizer_state) -> str | None:
 
 def current_layout(sharded_state_dict: dict | None = None) -> dict:
     """This run's layout (needs the process group and megatron's parallel_state)."""
-    from megatron.core import parallel_state as ps
-
     return {
         "world_size": dist.get_world_size(),
         "tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
@@ -252,8 +252,6 @@ def load(root: str, sharded_state_dict: dict) -> tuple[int, dict]:
     The checkpoint's files are verified first (nothing in them is executed), then its saving
     layout is compared with this run's (:func:`check_layout`).
     """
-    from megatron.core import dist_checkpointing
-
     iteration = latest_iteration(root)
     path = iteration_dir(root, iteration)
     checkpoint = verify_checkpoint_metadata(path)
@@ -306,8 +304,6 @@ def check_finite_before_save(model_chunks, anchor=None, iteration: int | None = 
     Collective when the process group is up (call it on all ranks): all ranks agree, so none
     is left waiting inside the save.
     """
-    from emapg_megatron.training.model_and_optimizer import global_param_name, unwrap
-
     named = []
     for i, chunk in enumerate(model_chunks):
         gpt = unwrap(chunk)

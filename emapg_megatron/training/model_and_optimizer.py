@@ -5,6 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.transformer.module import Float16Module
 
 from emapg_megatron.models.gpt import ModelConfig, PrecisionConfig, build_for_this_rank
 
@@ -32,8 +39,6 @@ class OptimConfig:
 
 
 def wrap_ddp(model, *, use_distributed_optimizer: bool):
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=False,
@@ -44,8 +49,6 @@ def wrap_ddp(model, *, use_distributed_optimizer: bool):
 
 
 def build_optimizer(model_chunks: list, optim: OptimConfig, prec: PrecisionConfig):
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
     config = OptimizerConfig(
         optimizer="adam",
         lr=optim.lr,
@@ -71,13 +74,9 @@ def build_model_and_optimizer(cfg: ModelConfig, optim: OptimConfig, prec: Precis
     reduction, the tied-embedding sum over the first and last stage, and the sum over TP of the
     gradients of TP-replicated weights (qk-layernorm, and all norms under sequence parallelism).
     """
-    from megatron.core.distributed import finalize_model_grads
-
     prec = prec or PrecisionConfig()
     model = build_for_this_rank(cfg, prec, sequence_parallel=sequence_parallel)
     if prec.bf16:
-        from megatron.core.transformer.module import Float16Module
-
         model = Float16Module(model.config, model)  # casts weights and activations to bf16
     model = wrap_ddp(model, use_distributed_optimizer=optim.use_distributed_optimizer)
     model.config.finalize_model_grads_func = finalize_model_grads

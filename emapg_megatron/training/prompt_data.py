@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 from emapg_megatron.runtime import ConfigError
+from emapg_megatron.tasks.base import encode_many, encode_text
+from emapg_megatron.tasks.data import DataFileError, MissingColumnError
 
 LONG_PROMPT_MODES = ("error", "drop")
 #: the training CLI's flags named in the messages
@@ -68,8 +70,6 @@ def _format_bad(bad: Sequence[tuple[int, str]], limit: int = 3) -> str:
 
 def _load_rows(task, data_path: Optional[str], fields, log) -> tuple[list, str, int]:
     """(rows, how the messages name their source, malformed rows skipped)."""
-    from emapg_megatron.tasks.data import DataFileError, MissingColumnError
-
     builtin = task.builtin_rows()
     if builtin is not None:
         if len(builtin) == 0:
@@ -104,8 +104,6 @@ def _load_rows(task, data_path: Optional[str], fields, log) -> tuple[list, str, 
 
 
 def _prompt_lengths(task, rows: list, tokenizer, source: str) -> list[int]:
-    from emapg_megatron.tasks.base import encode_many, encode_text
-
     lengths: list[int] = []
     for start in range(0, len(rows), _CHUNK):
         chunk = rows[start:start + _CHUNK]

@@ -10,8 +10,11 @@ detected everywhere.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import socket
+
+import torch.distributed as dist
 
 from emapg_megatron.runtime import ConfigError
 
@@ -29,8 +32,6 @@ class SaveDirLock:
         return self._fd is not None
 
     def acquire(self) -> SaveDirLock:
-        import fcntl
-
         os.makedirs(self.directory, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -47,8 +48,6 @@ class SaveDirLock:
 
     def release(self) -> None:
         if self._fd is not None:
-            import fcntl
-
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None
@@ -72,8 +71,6 @@ def lock_save_dir(directory: str) -> SaveDirLock:
     """Take the ``--save`` lock on global rank 0; every rank raises the same ConfigError when it
     is held elsewhere. Collective once the process group is up (call it on all ranks). Keep the
     returned lock for the run (``release()`` at the end, or let the process exit)."""
-    import torch.distributed as dist
-
     lock = SaveDirLock(directory)
     distributed = dist.is_available() and dist.is_initialized()
     error = None

@@ -125,6 +125,15 @@ def build_parser() -> argparse.ArgumentParser:
     a("--adam-eps", type=float, default=1e-8, help="Adam epsilon")
     a("--clip-grad", type=float, default=1.0, help="global gradient-norm clip (0 disables)")
     a("--micro-batch-size", type=int, default=8, help="sequences per forward/backward micro-batch")
+    a("--sequence-packing", action="store_true",
+      help="pack whole sequences into token rows for the old, anchor and training passes, so no "
+           "compute goes to padding: Transformer Engine attention gets PackedSeqParams (THD, "
+           "cu_seqlens), the local spec a block-diagonal causal mask with per-sequence positions "
+           "(chosen automatically); every loss normalisation stays that of the padded batch")
+    a("--max-tokens-per-microbatch", type=int, default=None,
+      help="--sequence-packing: token budget of one packed micro-batch (a longer sequence gets "
+           "its own); micro-batch counts are equal on every DP rank and loads balanced. Default: "
+           "--micro-batch-size x --seq-length")
     a("--global-batch-size", type=int, default=None,
       help="sequences per optimizer step (PPO mini-batch); default: the whole rollout batch")
 
@@ -204,6 +213,11 @@ def build_parser() -> argparse.ArgumentParser:
     a("--kl-iw-clip", type=float, nargs=2, default=None, metavar=("MIN", "MAX"),
       help="clip the off-policy importance weight pi/pi_sampling of the KL tail")
     a("--kl-coef", type=float, default=0.001, help="beta: weight of the token-level KL loss")
+    a("--fused-lm-head", action=argparse.BooleanOptionalAction, default=True,
+      help="compute the old, anchor and loss passes' log-probs, top-k and entropy from the final "
+           "hidden states and the output weight, chunk by chunk, never holding the logits "
+           "(O(hidden + k) bytes per token for backward whatever the vocabulary); "
+           "--no-fused-lm-head runs Megatron's output layer and the ops on its logits")
     a("--kl-in-reward-coef", type=float, default=0.0,
       help="sequence-level KL subtracted from the reward (WARP baseline); 0 disables")
 

@@ -25,6 +25,7 @@ from emapg_megatron.models.gpt import (
     validate_fp8_shapes,
     validate_precision,
 )
+from emapg_megatron.parallel.output_heads import output_head
 from emapg_megatron.rollout.megatron_sampler import MegatronSampler
 from emapg_megatron.rollout.vllm_engine import VLLMEngine
 from emapg_megatron.runtime import ConfigError
@@ -153,7 +154,9 @@ def build_run(args, cfg: arguments.ComponentConfigs, tokenizer, task, model_cfg,
         wd_incr_steps=args.train_iters, wd_incr_style="constant")
     anchor = EmaAnchor(chunks, optimizer, cfg.ema)
     sampler = build_rollout_engine(args, chunks, model_cfg, tokenizer)
-    passes = PolicyPasses(cfg.kl, cfg.loss, model_cfg.vocab_size)
+    passes = PolicyPasses(cfg.kl, cfg.loss, model_cfg.vocab_size,
+                          output_head(model_cfg.vocab_size, fused=args.fused_lm_head,
+                                      sequence_parallel=args.sequence_parallel))
     monitor = StabilityMonitor.from_config(cfg.ema) if cfg.ema.stability_interval else None
     return Trainer(model_chunks=chunks, optimizer=optimizer, scheduler=scheduler, anchor=anchor,
                    monitor=monitor, sampler=sampler, task=task, tokenizer=tokenizer, passes=passes,

@@ -17,23 +17,19 @@ from megatron.core import parallel_state as ps
 
 from emapg_megatron import runtime
 from emapg_megatron.algo.advantages import compute_advantages
-from emapg_megatron.algo.policy_loss import LossConfig, normaliser, policy_loss_terms
+from emapg_megatron.algo.policy_loss import LossConfig, normaliser
 from emapg_megatron.kl import (
     SAMPLED,
     loss_type,
     sequence_kl_penalized_reward,
     uses_topk,
 )
-from emapg_megatron.parallel import (
-    kl_from_policy_terms,
-    vocab_parallel_logprobs_at,
-    vocab_parallel_policy_terms,
-    vocab_parallel_topk,
-)
+from emapg_megatron.parallel import kl_from_policy_terms
+from emapg_megatron.parallel.output_heads import LogitsHead
 from emapg_megatron.rollout.engine import logprob_mismatch
 from emapg_megatron.runtime import ConfigError
 from emapg_megatron.tasks.base import encode_text
-from emapg_megatron.training import checkpointing
+from emapg_megatron.training import checkpointing, packing
 from emapg_megatron.training.collectives import gather_cat, reduce_sum
 from emapg_megatron.training.model_and_optimizer import unwrap, zero_grads
 from emapg_megatron.training.optimizer_step import check_weights, step_if_finite
@@ -116,55 +112,51 @@ def training_batch(rollout) -> dict:
 
 
 class PolicyPasses:
-    """The no-grad passes and the loss, on vocab-sharded logits (last pipeline stage)."""
+    """The no-grad passes and the loss on the last pipeline stage's output, through ``head``
+    (``parallel.output_heads``: the fused LM head on hidden states, or materialised logits)."""
 
-    def __init__(self, kl: KLConfig, loss: LossConfig, vocab_size: int):
+    def __init__(self, kl: KLConfig, loss: LossConfig, vocab_size: int, head=None):
         self.kl = kl
         self.loss = loss
         self.vocab_size = vocab_size
+        self.head = head or LogitsHead(vocab_size)
 
     @staticmethod
     def _tp_group():
         return ps.get_tensor_model_parallel_group()
 
-    def old(self, logits, mb) -> dict:
-        out = {"old_logprob": vocab_parallel_logprobs_at(logits, mb["labels"], group=self._tp_group(),
-                                                         vocab_size=self.vocab_size)}
-        if self.kl.q_source == "old":
-            ids, _ = vocab_parallel_topk(logits, self.kl.k, vocab_size=self.vocab_size,
-                                         group=self._tp_group())
-            out["topk_index"] = ids  # q from the (recomputed) sampling policy
-        return out
+    def old(self, out, mb) -> dict:
+        k = self.kl.k if self.kl.q_source == "old" else 0  # q from the (recomputed) sampling policy
+        s = self.head.scores(out, mb["labels"], k, group=self._tp_group())
+        return {"old_logprob": s.logprob, **({"topk_index": s.topk_ids} if k else {})}
 
-    def anchor(self, logits, mb) -> dict:
-        group = self._tp_group()
-        out = {"ref_logprob": vocab_parallel_logprobs_at(logits, mb["labels"], group=group,
-                                                         vocab_size=self.vocab_size)}
-        if self.kl.q_source == "anchor":
-            ids, lps = vocab_parallel_topk(logits, self.kl.k, vocab_size=self.vocab_size, group=group)
-            out.update(topk_index=ids, ref_logprob_topk=lps)  # q from the anchor itself
-        elif self.kl.uses_topk:
-            out["ref_logprob_topk"] = vocab_parallel_logprobs_at(logits, mb["topk_index"], group=group,
-                                                                 vocab_size=self.vocab_size)
-        return out
+    def anchor(self, out, mb) -> dict:
+        group, labels = self._tp_group(), mb["labels"]
+        if self.kl.q_source == "anchor":  # q from the anchor itself
+            s = self.head.scores(out, labels, self.kl.k, group=group)
+            return {"ref_logprob": s.logprob, "topk_index": s.topk_ids, "ref_logprob_topk": s.topk_logprob}
+        if self.kl.uses_topk:  # the label and q in one pass over the vocabulary
+            lp = self.head.scores(out, torch.cat([labels.unsqueeze(-1), mb["topk_index"]], -1), 0,
+                                  group=group).logprob
+            return {"ref_logprob": lp[..., 0], "ref_logprob_topk": lp[..., 1:]}
+        return {"ref_logprob": self.head.scores(out, labels, 0, group=group).logprob}
 
-    def sequence_logprob(self, logits, mb):
+    def sequence_logprob(self, out, mb):
         """Summed log-prob of the model's tokens (for the stability monitor's Fisher trace)."""
-        terms = vocab_parallel_policy_terms(logits, mb["labels"], None, group=self._tp_group(),
-                                            vocab_size=self.vocab_size, loss_mask=mb["mask"])
+        terms = self.head.policy_terms(out, mb["labels"], None, group=self._tp_group(),
+                                       with_entropy=False, loss_mask=mb["mask"])
         return (terms.logprob * mb["mask"]).sum(), {}
 
-    def loss_terms(self, logits, mb):
+    def loss_terms(self, out, mb):
         """(weighted loss sum, metrics) for one micro-batch."""
         q = mb.get("topk_index") if self.kl.uses_topk else None
-        terms = vocab_parallel_policy_terms(logits, mb["labels"], q, group=self._tp_group(),
-                                            vocab_size=self.vocab_size, with_entropy=True,
-                                            loss_mask=mb["mask"])
+        terms = self.head.policy_terms(out, mb["labels"], q, group=self._tp_group(),
+                                       with_entropy=True, loss_mask=mb["mask"])
         kl = kl_from_policy_terms(
             terms, mb["labels"], q, mb.get("ref_logprob_topk"), mb["ref_logprob"],
             kind=self.kl.loss_type, tail=self.kl.tail, alpha=self.kl.alpha,
-            sampling_logprob=mb["sampling_logprob"], iw_clip=self.kl.iw_clip)
-        return policy_loss_terms(terms.logprob, mb["old_logprob"], mb["advantages"],
+            sampling_logprob=mb["sampling_logprob"], iw_clip=self.kl.iw_clip, loss_mask=mb["mask"])
+        return packing.policy_loss_terms(mb, terms.logprob, mb["old_logprob"], mb["advantages"],
                                  kl * mb["mask"], terms.entropy, mb["mask"], self.loss,
                                  sampling_logprob=mb["sampling_logprob"])
 
@@ -193,6 +185,10 @@ class StepConfig:
     """Added to the standard deviation of the advantage normalisation."""
     kl_in_reward_coef: float = 0.0
     """Sequence-level KL subtracted from the reward (the WARP baseline); 0 disables."""
+    sequence_packing: bool = False
+    """Pack whole sequences into token rows (training/packing): no compute on padding."""
+    max_tokens_per_microbatch: int | None = None
+    """Token budget of a packed micro-batch (default: micro_batch_size x the batch's width)."""
 
     def validate(self) -> None:
         """The flags of the step, checked once (raises ConfigError with one line)."""
@@ -206,6 +202,12 @@ class StepConfig:
             raise ConfigError("--advantage-norm group needs --num-samples-per-prompt >= 2")
         if self.ppo_epochs < 1:
             raise ConfigError(f"--ppo-epochs must be >= 1 (got {self.ppo_epochs})")
+        if self.max_tokens_per_microbatch is not None:
+            if not self.sequence_packing:
+                raise ConfigError("--max-tokens-per-microbatch is the budget of --sequence-packing")
+            if self.max_tokens_per_microbatch < 1:
+                raise ConfigError(f"--max-tokens-per-microbatch must be >= 1 "
+                                  f"(got {self.max_tokens_per_microbatch})")
 
 
 class Trainer:
@@ -225,6 +227,7 @@ class Trainer:
         self.rollout_batch_size = rollout_batch_size
         self.skipped_steps = 0
         self.monitor = monitor
+        self.padding_fraction = 0.0  # set by each pass's micro-batching, logged per step
         self.monitor_sequences = monitor_sequences
 
     # --- checkpoint state ----------------------------------------------------------------
@@ -320,19 +323,32 @@ class Trainer:
         n_local = all_rewards.numel() // dp
         return adv[dp_rank * n_local:(dp_rank + 1) * n_local]
 
+    def microbatches(self, batch: dict):
+        """(micro-batches, merge of their per-token outputs back to ``[S, L]``): fixed-size padded
+        ones, or with --sequence-packing whole sequences packed under the token budget (the same
+        number of micro-batches on every DP rank)."""
+        if not self.cfg.sequence_packing:
+            self.padding_fraction = packing.padded_fraction(batch["mask"])
+            return split_microbatches(batch, self.cfg.micro_batch_size), concat_outputs
+        budget = self.cfg.max_tokens_per_microbatch or self.cfg.micro_batch_size * batch["tokens"].shape[1]
+        plan = packing.plan(batch, budget)  # gathers the sequence lengths over DP
+        self.padding_fraction = plan.padding_fraction()
+        mbs = packing.pack(batch, plan)
+        return mbs, lambda outs: packing.unpack(outs, mbs, plan.shape)
+
     def no_grad_passes(self, batch: dict) -> dict:
-        mbs = split_microbatches(batch, self.cfg.micro_batch_size)
-        old = concat_outputs(forward_only(self.model_chunks, mbs, self.passes.old))
-        batch = {**batch, **old}
+        mbs, merge = self.microbatches(batch)
+        fused = self.passes.head.fused
+        batch = {**batch, **merge(forward_only(self.model_chunks, mbs, self.passes.old, fused_lmhead=fused))}
         with self.anchor.swapped_in():
-            mbs = split_microbatches(batch, self.cfg.micro_batch_size)
-            ref = concat_outputs(forward_only(self.model_chunks, mbs, self.passes.anchor))
+            mbs, merge = self.microbatches(batch)  # now with the old pass's top-k ids
+            ref = merge(forward_only(self.model_chunks, mbs, self.passes.anchor, fused_lmhead=fused))
         return {**batch, **ref}
 
     def train_minibatch(self, batch: dict) -> dict:
         """One optimizer step over ``batch`` (this rank's share of a mini-batch)."""
         dp, _, dp_group = self._dp()
-        mbs = split_microbatches(batch, self.cfg.micro_batch_size)
+        mbs, _ = self.microbatches(batch)
         agg = self.passes.loss.agg_mode
         norm = reduce_sum({"n": normaliser(batch["mask"], agg)}, group=dp_group)["n"]
         scale = len(mbs) * dp / max(norm, 1.0)  # undo Megatron's 1/num_mb and DDP's 1/dp
@@ -342,7 +358,8 @@ class Trainer:
             return total * scale, metrics
 
         zero_grads(self.model_chunks, self.optimizer)
-        outs = forward_backward(self.model_chunks, mbs, loss)  # grads finalized by Megatron's hook
+        # grads finalized by Megatron's hook
+        outs = forward_backward(self.model_chunks, mbs, loss, fused_lmhead=self.passes.head.fused)
         sums = {k: sum(float(o[k]) for o in outs) for k in LOSS_KEYS} if outs else dict.fromkeys(LOSS_KEYS, 0.0)
         applied = step_if_finite(self.model_chunks, self.optimizer, self.scheduler, sums.values())
         return {**sums, "applied": float(applied), "norm": norm}
@@ -377,7 +394,8 @@ class Trainer:
                 for i in range(min(self.monitor_sequences, batch["tokens"].shape[0]))]
 
         def logprob_fn(seq):
-            forward_backward(self.model_chunks, [seq], self.passes.sequence_logprob)
+            forward_backward(self.model_chunks, [seq], self.passes.sequence_logprob,
+                             fused_lmhead=self.passes.head.fused)
 
         est = self.monitor.estimate(self.model_chunks, seqs, logprob_fn,
                                     lr=self.optimizer.param_groups[0]["lr"],
@@ -442,6 +460,8 @@ class Trainer:
             "update_time_s": time.monotonic() - t_passes,
             "lr": self.optimizer.param_groups[0]["lr"],
             "max_memory_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,  # 0 in CPU mode
+            # share of the token slots the passes computed that were padding (this rank's last pass)
+            "padding_frac": self.padding_fraction,
             "skipped": stats["skipped"],
             "updates_refused": stats["updates_refused"],
         }

@@ -43,6 +43,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from .vocab_parallel import (
+    LogitRows,
     VocabShard,
     check_ids,
     chunk_rows,
@@ -100,17 +101,12 @@ class _PolicyTermsFn(torch.autograd.Function):
         if not logits.is_contiguous():  # a copy: in-place writes must reach the saved tensor
             logits = logits.contiguous()
         logits2d = logits.view(-1, sh.width)
-        row_index = None if valid is None else valid.nonzero().squeeze(-1)
-        ids_sel = ids2d if row_index is None else ids2d.index_select(0, row_index)
+        row_index, ids_sel = select_rows(ids2d, valid)
         write = plan.inplace  # only set when a backward will follow
-        res = forward_pass(logits2d, ids_sel, sh, plan.group, rows_per_chunk=plan.rows_per_chunk,
+        res = forward_pass(LogitRows(logits2d, sh), ids_sel, sh, plan.group, rows_per_chunk=plan.rows_per_chunk,
                            row_index=row_index, entropy=plan.entropy, write_exp=write)
-        logprob, ent = res.logprob, res.entropy
-        if row_index is not None:  # masked rows: 0
-            logprob = torch.zeros(ids2d.shape, dtype=logprob.dtype, device=logprob.device).index_copy_(
-                0, row_index, logprob)
-            if ent is not None:
-                ent = torch.zeros(ids2d.shape[0], dtype=ent.dtype, device=ent.device).index_copy_(0, row_index, ent)
+        logprob, ent = to_all_rows(res.logprob, row_index, ids2d.shape[0]), to_all_rows(res.entropy, row_index,
+                                                                                     ids2d.shape[0])
         # bf16 probabilities: keep the exact fp32 log-probs of the picked ids to correct them.
         exact = res.logprob if write and logits2d.dtype != compute_dtype(logits2d) else None
         ctx.plan, ctx.logits_shape, ctx.write, ctx.used = plan, logits.shape, write, False
@@ -121,9 +117,7 @@ class _PolicyTermsFn(torch.autograd.Function):
         ctx.save_for_backward(logits, ids_sel, valid, None if write else res.shift, None if write else res.lse_rel,
                               res.entropy, exact, scale)
         ctx.set_materialize_grads(False)
-        if ent is None:
-            ent = torch.empty(0, dtype=res.lse.dtype, device=res.lse.device)
-        return logprob, ent
+        return logprob, empty_if_none(ent, res.lse_rel)
 
     @staticmethod
     def backward(ctx, g_lp, g_ent):
@@ -135,7 +129,7 @@ class _PolicyTermsFn(torch.autograd.Function):
         if g_lp is None and g_ent is None:
             return None, None, None, None
         logits2d = logits.view(-1, sh.width)
-        row_index = None if valid is None else valid.nonzero().squeeze(-1)
+        row_index = row_index_of(valid)
         grad2d = logits2d if ctx.write else torch.empty_like(logits2d)
         if sh.n_real < sh.width:
             grad2d[:, sh.n_real:].zero_()
@@ -145,30 +139,24 @@ class _PolicyTermsFn(torch.autograd.Function):
             return grad2d.view(ctx.logits_shape), None, None, None
         # Per selected row, all at once: upstream gradients, the dense coefficients, the sparse part.
         cdt = compute_dtype(logits2d)
-        g = torch.zeros(ids.shape, dtype=cdt, device=ids.device) if g_lp is None else _select(g_lp, row_index).to(cdt)
-        g = torch.where(ids >= sh.vocab_size, torch.zeros_like(g), g)  # -inf outputs: no gradient
-        big_g = g.sum(dim=-1)
-        g_h = None if g_ent is None else _select(g_ent, row_index).to(cdt)
-        lid, owned = owned_columns(ids, sh)
-        sparse = torch.where(owned, g, torch.zeros_like(g))
+        up = upstream_grads(g_lp, g_ent, ids, row_index, sh, cdt)
         fix = None
         if exact is not None:
-            fix = (owned & _first_occurrence(ids), _dense_term(exact.exp(), big_g, g_h, ent))
+            fix = (up.owned & _first_occurrence(ids), _dense_term(exact.exp(), up.big_g, up.g_h, ent))
         real_in, real_out = logits2d[:, : sh.n_real], grad2d[:, : sh.n_real]
         for sel, rows in iter_chunks(ids.shape[0], plan.rows_per_chunk, row_index):
             src = take_rows(real_in, rows)
             shared = isinstance(rows, slice) and src.dtype == cdt  # work in the output's storage
             if ctx.write:
                 w = src if shared else src.to(cdt)  # exp(z - local max)
-                w = _dense_from_probs(w, scale[sel], big_g[sel], _rows(g_h, sel), _rows(ent, sel))
+                w = _dense_from_probs(w, scale[sel], up.big_g[sel], _rows(up.g_h, sel), _rows(ent, sel))
+                add = up.sparse[sel]
+                if fix is not None:  # overwrite the dense term of the picked columns by its fp32 value
+                    first, dense = fix
+                    add = add + torch.where(first[sel], dense[sel] - w.gather(-1, up.lid[sel]), torch.zeros_like(add))
+                w.scatter_add_(-1, up.lid[sel], add)
             else:
-                w = _dense_recompute(src, real_out[rows] if shared else None, _rows(shift, sel), _rows(lse, sel),
-                                     big_g[sel], _rows(g_h, sel), _rows(ent, sel))
-            add = sparse[sel]
-            if fix is not None:  # overwrite the dense term of the picked columns by its fp32 value
-                first, dense = fix
-                add = add + torch.where(first[sel], dense[sel] - w.gather(-1, lid[sel]), torch.zeros_like(add))
-            w.scatter_add_(-1, lid[sel], add)
+                w = recompute_logit_grad(src, real_out[rows] if shared else None, up, sel, shift, lse, ent)
             if not shared:
                 put_rows(real_out, rows, w)
         return grad2d.view(ctx.logits_shape), None, None, None
@@ -180,6 +168,57 @@ def _select(x: torch.Tensor, row_index: Optional[torch.Tensor]) -> torch.Tensor:
 
 def _rows(x: Optional[torch.Tensor], sel: slice) -> Optional[torch.Tensor]:
     return None if x is None else x[sel].unsqueeze(-1)
+
+
+def row_index_of(valid: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The selected rows: all (``None``) or the unmasked ones."""
+    return None if valid is None else valid.nonzero().squeeze(-1)
+
+
+def select_rows(ids2d: torch.Tensor, valid: Optional[torch.Tensor]):
+    """``(row_index, ids of the selected rows)``."""
+    row_index = row_index_of(valid)
+    return row_index, _select(ids2d, row_index)
+
+
+def to_all_rows(x: Optional[torch.Tensor], row_index: Optional[torch.Tensor], n_rows: int):
+    """Per selected row -> per row, 0 on the masked ones."""
+    if x is None or row_index is None:
+        return x
+    return torch.zeros((n_rows,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device).index_copy_(0, row_index, x)
+
+
+def empty_if_none(x: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """autograd outputs must be tensors: an empty one stands for 'not computed'."""
+    return torch.empty(0, dtype=like.dtype, device=like.device) if x is None else x
+
+
+class Upstream(NamedTuple):
+    """Per selected row, the upstream gradients in the form backward uses (compute dtype)."""
+
+    lid: torch.Tensor  # [r, n] local column of each id (0 where not owned)
+    owned: torch.Tensor  # [r, n] this rank owns the id
+    sparse: torch.Tensor  # [r, n] g_i at owned ids, else 0: the 1[v = i] part
+    big_g: torch.Tensor  # [r] G = sum_i g_i
+    g_h: Optional[torch.Tensor]  # [r] entropy gradient, or None
+
+
+def upstream_grads(g_lp, g_ent, ids, row_index, sh: VocabShard, cdt) -> Upstream:
+    """The gradients of ``logprob_all`` / ``entropy`` (all rows) on the selected rows; -inf outputs
+    (padding ids) take none."""
+    g = torch.zeros(ids.shape, dtype=cdt, device=ids.device) if g_lp is None else _select(g_lp, row_index).to(cdt)
+    g = torch.where(ids >= sh.vocab_size, torch.zeros_like(g), g)
+    g_h = None if g_ent is None else _select(g_ent, row_index).to(cdt)
+    lid, owned = owned_columns(ids, sh)
+    return Upstream(lid, owned, torch.where(owned, g, torch.zeros_like(g)), g.sum(dim=-1), g_h)
+
+
+def recompute_logit_grad(z, out, up: Upstream, sel: slice, shift, lse, ent) -> torch.Tensor:
+    """The logit gradient of one chunk from its logits ``z`` (written into ``out`` when given, else
+    in ``z`` if it is already in the compute dtype): dense term, then ``g`` at the owned ids."""
+    w = _dense_recompute(z, out, _rows(shift, sel), _rows(lse, sel), up.big_g[sel], _rows(up.g_h, sel),
+                         _rows(ent, sel))
+    return w.scatter_add_(-1, up.lid[sel], up.sparse[sel])
 
 
 def _dense_term(p, big_g, g_h, ent):
@@ -249,8 +288,19 @@ def vocab_parallel_policy_terms(
     """
     sh = vocab_shard(logits_shard, group, vocab_size)
     lead = logits_shard.shape[:-1]
+    ids2d, valid, k = token_ids(lead, tokens, topk_index, loss_mask, sh, "logits")
+    # Clobber the logits only when a backward will consume what replaces them.
+    inplace = inplace_backward and torch.is_grad_enabled() and logits_shard.requires_grad
+    plan = _Plan(sh, group, chunk_rows(chunk_size, sh.width, logits_shard.device), with_entropy, inplace)
+    return policy_terms_of(*_PolicyTermsFn.apply(logits_shard, ids2d, valid, plan), lead, k, with_entropy)
+
+
+def token_ids(lead, tokens, topk_index, loss_mask, sh: VocabShard, what: str):
+    """Checks the per-token inputs against the rows' shape ``lead``; returns ``(ids2d, valid, k)``:
+    the token then q per row ``[N, 1 + k]`` int64, the unmasked rows (``None``: all) and k (``None``
+    without q)."""
     if tokens.shape != lead:
-        raise ValueError(f"tokens shape {tuple(tokens.shape)} does not match logits {tuple(logits_shard.shape)}")
+        raise ValueError(f"tokens shape {tuple(tokens.shape)} does not match {what} {tuple(lead)}")
     valid = None
     if loss_mask is not None:
         if loss_mask.shape != lead:
@@ -270,12 +320,13 @@ def vocab_parallel_policy_terms(
         q2d = topk_index.reshape(tokens.numel(), k)
         check_ids(q2d, sh.padded_vocab_size, "topk_index", valid)
         cols.append(q2d)
-    ids2d = torch.cat([c.to(torch.int64) for c in cols], dim=-1)
-    # Clobber the logits only when a backward will consume what replaces them.
-    inplace = inplace_backward and torch.is_grad_enabled() and logits_shard.requires_grad
-    plan = _Plan(sh, group, chunk_rows(chunk_size, sh.width, logits_shard.device), with_entropy, inplace)
-    logprob_all, ent = _PolicyTermsFn.apply(logits_shard, ids2d, valid, plan)
-    logprob_all = logprob_all.view(lead + (ids2d.shape[-1],))
+    return torch.cat([c.to(torch.int64) for c in cols], dim=-1), valid, k
+
+
+def policy_terms_of(logprob_all: torch.Tensor, ent: torch.Tensor, lead, k: Optional[int],
+                    with_entropy: bool) -> PolicyTerms:
+    """:class:`PolicyTerms` from the op's outputs ``[N, 1 + k]`` and ``[N]`` (empty without entropy)."""
+    logprob_all = logprob_all.view(tuple(lead) + (logprob_all.shape[-1],))
     return PolicyTerms(
         logprob=logprob_all[..., 0],
         logprob_topk=None if k is None else logprob_all[..., 1:],

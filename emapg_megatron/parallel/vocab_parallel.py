@@ -30,6 +30,7 @@ No RL here; the differentiable fused op lives in :mod:`.policy_terms`.
 
 from __future__ import annotations
 
+import math
 from typing import Iterator, NamedTuple, Optional, Tuple, Union
 
 import torch
@@ -71,11 +72,15 @@ def vocab_shard(logits_shard: torch.Tensor, group, vocab_size: Optional[int] = N
         raise TypeError(f"logits must be a floating-point tensor, got {logits_shard.dtype}")
     if logits_shard.dim() < 1:
         raise ValueError("logits must have a vocabulary dimension")
+    return shard_of(logits_shard.shape[-1], group, vocab_size)
+
+
+def shard_of(width: int, group, vocab_size: Optional[int] = None) -> VocabShard:
+    """The :class:`VocabShard` of ``width`` local columns (an output weight's rows) on this rank."""
     if group is None:
         tp, rank = 1, 0
     else:
         tp, rank = dist.get_world_size(group), dist.get_rank(group)
-    width = logits_shard.shape[-1]
     padded = width * tp
     vocab_size = padded if vocab_size is None else int(vocab_size)
     if not 0 < vocab_size <= padded:
@@ -232,15 +237,39 @@ def gather_picked(work: torch.Tensor, lid: torch.Tensor, owned: torch.Tensor) ->
     return torch.where(owned, vals, torch.zeros_like(vals))
 
 
+class LogitRows:
+    """The chunk source of :func:`forward_pass` for a logits shard ``[N, V/TP]``: the real columns of
+    the requested rows, in the compute dtype (other sources form the logits on the fly, see
+    :mod:`.lmhead_terms`)."""
+
+    def __init__(self, logits2d: torch.Tensor, sh: VocabShard):
+        self.real = logits2d[:, : sh.n_real]
+        self.cdt = compute_dtype(logits2d)
+        self.n_rows = logits2d.shape[0]
+        self.device = logits2d.device
+
+    def chunk(self, rows: Rows) -> Tuple[torch.Tensor, bool]:
+        """``(work, private)``; ``private``: ``work`` is a copy (a cast or an index copy) the caller
+        may overwrite, else a view of the logits."""
+        z = take_rows(self.real, rows)
+        return z.to(self.cdt), z.dtype != self.cdt or not isinstance(rows, slice)
+
+    def put(self, rows: Rows, values: torch.Tensor) -> None:
+        put_rows(self.real, rows, values)
+
+
 class ForwardResult(NamedTuple):
     """Per selected row: the global max and the log-normaliser relative to it, the log-probs at the
-    ids (-inf at padding ids), the entropy and this rank's max (the shift of the stored ``exp(z - shift)``)."""
+    ids (-inf at padding ids), the entropy, this rank's max (the shift of the stored ``exp(z - shift)``)
+    and, when asked, the global top-k (ids and log-probs, by decreasing log-prob)."""
 
     shift: torch.Tensor  # [R] global max M (0 where no finite logit)
     lse_rel: torch.Tensor  # [R] log sum_v exp(z_v - M)
     logprob: torch.Tensor  # [R, n]
     entropy: Optional[torch.Tensor]  # [R]
     local_max: torch.Tensor  # [R]
+    topk_ids: Optional[torch.Tensor] = None  # [R, k] int64
+    topk_logprob: Optional[torch.Tensor] = None  # [R, k]
 
     @property
     def lse(self) -> torch.Tensor:
@@ -248,8 +277,24 @@ class ForwardResult(NamedTuple):
         return self.shift + self.lse_rel
 
 
+def _id_dtype(cdt: torch.dtype) -> torch.dtype:
+    """Integers as wide as the compute dtype: candidate ids ride the float buffer bit-cast."""
+    return torch.int64 if cdt == torch.float64 else torch.int32
+
+
+def merge_topk(vals: torch.Tensor, ids: torch.Tensor, k: int, comb: Combined) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The global top-k from per-rank candidates ``[TP, R, kc]`` (raw logits, global ids, -1 for a
+    filler): fillers rank below every real logit, real -inf logits included."""
+    n_rows = vals.shape[1]
+    all_v = vals.permute(1, 0, 2).reshape(n_rows, -1)
+    all_i = ids.permute(1, 0, 2).reshape(n_rows, -1)
+    key = torch.where(all_i >= 0, all_v.clamp(min=torch.finfo(all_v.dtype).min), torch.full_like(all_v, -float("inf")))
+    top = key.topk(k, dim=-1).indices
+    return all_i.gather(-1, top).long(), relative_logprobs(all_v.gather(-1, top), comb.shift, comb.lse)
+
+
 def forward_pass(
-    logits2d: torch.Tensor,
+    source,
     ids2d: Optional[torch.Tensor],
     sh: VocabShard,
     group,
@@ -258,42 +303,56 @@ def forward_pass(
     row_index: Optional[torch.Tensor] = None,
     entropy: bool = False,
     write_exp: bool = False,
+    topk: int = 0,
 ) -> ForwardResult:
-    """Log-normaliser, log-probs at ``ids2d`` ([R, n] global ids of the selected rows) and entropy.
+    """Log-normaliser, log-probs at ``ids2d`` ([R, n] global ids of the selected rows), entropy and
+    top-``topk``, from ``source`` (:class:`LogitRows`, or any object with its ``chunk`` / ``n_rows``
+    / ``cdt`` / ``device``).
 
-    The rows (all, or ``row_index``) are processed chunk by chunk, each chunk cast to the compute
-    dtype on its own; the per-rank partials of every chunk go into one packed buffer and out in
-    ONE all-gather for the whole pass. ``write_exp`` overwrites the real columns of the selected
-    rows of ``logits2d`` with ``exp(z - local_max)`` in the logits' dtype: the probabilities up to
-    the per-row factor ``exp(local_max - lse)``.
+    The rows (all, or ``row_index``) are processed chunk by chunk in the compute dtype; the per-rank
+    partials of every chunk (and the top-k candidates: values and global ids) go into one packed
+    buffer and out in ONE all-gather for the whole pass. ``write_exp`` (logits sources only)
+    overwrites the real columns of the selected rows with ``exp(z - local_max)`` in the logits'
+    dtype: the probabilities up to the per-row factor ``exp(local_max - lse)``.
     """
-    cdt = compute_dtype(logits2d)
-    n_sel = logits2d.shape[0] if row_index is None else row_index.numel()
+    cdt = source.cdt
+    n_sel = source.n_rows if row_index is None else row_index.numel()
     n = 0 if ids2d is None else ids2d.shape[-1]
     off = 3 if entropy else 2
-    buf = torch.empty(n_sel, off + n, dtype=cdt, device=logits2d.device)
+    kc = min(topk, sh.width)  # candidates per rank (the same on every rank)
+    kl = min(kc, sh.n_real)  # of which real
+    buf = torch.empty(n_sel, off + n + 2 * kc, dtype=cdt, device=source.device)
+    cand_v, cand_i = buf[:, off + n:off + n + kc], buf[:, off + n + kc:].view(_id_dtype(cdt))
+    cand_v.fill_(-float("inf"))
+    cand_i.fill_(-1)
     lid = owned = None
     if n:
         lid, owned = owned_columns(ids2d, sh)
-    real = logits2d[:, : sh.n_real]
     for sel, rows in iter_chunks(n_sel, rows_per_chunk, row_index):
-        z = take_rows(real, rows)
-        # Work in place only where the buffer is ours (a cast or an index copy) or may be clobbered.
-        private = z.dtype != cdt or not isinstance(rows, slice)
-        work = z.to(cdt)
+        # Work in place only where the buffer is ours (a copy) or may be clobbered.
+        work, private = source.chunk(rows)
         if n:
-            buf[sel, off:] = gather_picked(work, lid[sel], owned[sel])
+            buf[sel, off:off + n] = gather_picked(work, lid[sel], owned[sel])
+        if kl > 0:
+            vals, idx = work.topk(kl, dim=-1)
+            cand_v[sel, :kl] = vals
+            cand_i[sel, :kl].copy_(idx + sh.start)
         st = local_stats(work, clobber=private or write_exp, entropy=entropy)
         buf[sel, 0], buf[sel, 1] = st.m, st.s
         if entropy:
             buf[sel, 2] = st.a
         if write_exp and private and sh.n_real > 0:
-            put_rows(real, rows, st.e)
-    comb = combine(all_gather_rows(buf, sh, group), n, entropy)
+            source.put(rows, st.e)
+    stats = all_gather_rows(buf, sh, group)
+    comb = combine(stats, n, entropy)
     lp = relative_logprobs(comb.picked, comb.shift, comb.lse)
     if n:
         lp = torch.where(ids2d >= sh.vocab_size, torch.full_like(lp, -float("inf")), lp)
-    return ForwardResult(comb.shift, comb.lse, lp, comb.entropy, buf[:, 0].clone())
+    top_ids = top_lp = None
+    if topk:
+        top_ids, top_lp = merge_topk(stats[..., off + n:off + n + kc],
+                                     stats[..., off + n + kc:].view(_id_dtype(cdt)), topk, comb)
+    return ForwardResult(comb.shift, comb.lse, lp, comb.entropy, buf[:, 0].clone(), top_ids, top_lp)
 
 
 def check_ids(ids: torch.Tensor, upper: int, what: str, valid: Optional[torch.Tensor] = None) -> None:
@@ -321,7 +380,7 @@ def vocab_parallel_logsumexp(
     fp64 logits). No gradient. ``vocab_size=None``: every column is real."""
     sh = vocab_shard(logits_shard, group, vocab_size)
     z = _flat(logits_shard)
-    res = forward_pass(z, None, sh, group, rows_per_chunk=chunk_rows(chunk_size, sh.width, z.device))
+    res = forward_pass(LogitRows(z, sh), None, sh, group, rows_per_chunk=chunk_rows(chunk_size, sh.width, z.device))
     return res.lse.view(logits_shard.shape[:-1])
 
 
@@ -341,16 +400,25 @@ def vocab_parallel_logprobs_at(
     :func:`~emapg_megatron.parallel.vocab_parallel_policy_terms` for the differentiable version).
     """
     sh = vocab_shard(logits_shard, group, vocab_size)
-    lead = logits_shard.shape[:-1]
+    ids2d = picked_ids(ids, logits_shard.shape[:-1], sh, "logits")
+    z = _flat(logits_shard)
+    res = forward_pass(LogitRows(z, sh), ids2d, sh, group, rows_per_chunk=chunk_rows(chunk_size, sh.width, z.device))
+    return res.logprob.view(ids.shape)
+
+
+def picked_ids(ids: torch.Tensor, lead, sh: VocabShard, what: str) -> torch.Tensor:
+    """``ids`` ``[*lead]`` (one per row) or ``[*lead, n]``, checked, as ``[N, n]`` int64."""
     single = ids.shape == lead
     if not single and ids.shape[:-1] != lead:
-        raise ValueError(f"ids shape {tuple(ids.shape)} does not match logits {tuple(logits_shard.shape)}")
+        raise ValueError(f"ids shape {tuple(ids.shape)} does not match {what} {tuple(lead)}")
     check_ids(ids, sh.padded_vocab_size, "ids")
-    n_rows = logits_shard.numel() // sh.width if sh.width else 0
-    ids2d = ids.reshape(n_rows, 1) if single else ids.reshape(n_rows, ids.shape[-1])
-    z = _flat(logits_shard)
-    res = forward_pass(z, ids2d.long(), sh, group, rows_per_chunk=chunk_rows(chunk_size, sh.width, z.device))
-    return res.logprob.view(ids.shape)
+    n_rows = math.prod(lead)
+    return (ids.reshape(n_rows, 1) if single else ids.reshape(n_rows, ids.shape[-1])).long()
+
+
+def check_k(k: int, sh: VocabShard) -> None:
+    if not 0 <= k <= sh.vocab_size:
+        raise ValueError(f"k={k} must be in [0, vocab_size={sh.vocab_size}]")
 
 
 @torch.no_grad()
@@ -372,8 +440,7 @@ def vocab_parallel_topk(
     """
     sh = vocab_shard(logits_shard, group, vocab_size)
     lead = logits_shard.shape[:-1]
-    if not 0 <= k <= sh.vocab_size:
-        raise ValueError(f"k={k} must be in [0, vocab_size={sh.vocab_size}]")
+    check_k(k, sh)
     cdt = compute_dtype(logits_shard)
     dev = logits_shard.device
     z2d = _flat(logits_shard)
@@ -381,29 +448,6 @@ def vocab_parallel_topk(
     if k == 0 or n_rows == 0:
         return (torch.empty(lead + (k,), dtype=torch.int64, device=dev),
                 torch.empty(lead + (k,), dtype=cdt, device=dev))
-    int_dt = torch.int64 if cdt == torch.float64 else torch.int32  # same width: ids ride bit-cast
-    kc = min(k, sh.width)  # candidates per rank (the same on every rank)
-    kl = min(kc, sh.n_real)  # of which real
-    # One packed buffer for the pass: m, s, candidate values, candidate global ids (bit-cast).
-    buf = torch.empty(n_rows, 2 + 2 * kc, dtype=cdt, device=dev)
-    buf[:, 2:2 + kc] = -float("inf")
-    buf[:, 2 + kc:].view(int_dt).fill_(-1)
-    real = z2d[:, : sh.n_real]
-    for sel, rows in iter_chunks(n_rows, chunk_rows(chunk_size, sh.width, dev), None):
-        work = real[rows].to(cdt)
-        if kl > 0:
-            vals, idx = work.topk(kl, dim=-1)
-            buf[sel, 2:2 + kl] = vals
-            buf[sel, 2 + kc:2 + kc + kl].view(int_dt).copy_(idx + sh.start)
-        st = local_stats(work, clobber=real.dtype != cdt, entropy=False)  # clobber a cast copy only
-        buf[sel, 0], buf[sel, 1] = st.m, st.s
-    stats = all_gather_rows(buf, sh, group)  # [TP, N, 2 + 2 kc]
-    comb = combine(stats[..., :2], 0, False)
-    all_v = stats[..., 2:2 + kc].permute(1, 0, 2).reshape(n_rows, sh.tp * kc)
-    all_i = stats[..., 2 + kc:].view(int_dt).permute(1, 0, 2).reshape(n_rows, sh.tp * kc)
-    # Fillers rank below every real logit, real -inf logits included.
-    key = torch.where(all_i >= 0, all_v.clamp(min=torch.finfo(cdt).min), torch.full_like(all_v, -float("inf")))
-    top = key.topk(k, dim=-1).indices
-    out_ids = all_i.gather(-1, top).long()
-    out_lp = relative_logprobs(all_v.gather(-1, top), comb.shift, comb.lse)  # candidates are raw logits
-    return out_ids.view(lead + (k,)), out_lp.view(lead + (k,))
+    res = forward_pass(LogitRows(z2d, sh), None, sh, group, rows_per_chunk=chunk_rows(chunk_size, sh.width, dev),
+                       topk=k)
+    return res.topk_ids.view(lead + (k,)), res.topk_logprob.view(lead + (k,))

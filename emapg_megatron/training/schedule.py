@@ -4,7 +4,8 @@ Every pass over the model (sampling, the old-policy and anchor passes, training)
 through ``get_forward_backward_func()``, so the same code runs at any PP size. A pass takes
 a list of micro-batches (dicts of equal-shape tensors; ``tokens`` is ``[mbs, seq]``) and a
 function of ``(logits_shard, micro_batch)`` evaluated on the last pipeline stage, where
-``logits_shard`` is ``[mbs, seq, V/TP]``.
+``logits_shard`` is ``[mbs, seq, V/TP]``. A packed micro-batch (``training.packing``: one ``[1, T]``
+row of whole sequences) is run with its sequence boundaries; padded ones are run as they are.
 """
 
 from __future__ import annotations
@@ -13,21 +14,55 @@ from typing import Callable
 
 import torch
 
+from emapg_megatron.models.hidden_output import output_layer_bypassed
+from emapg_megatron.parallel.output_heads import HiddenAndWeight
+
 
 def positions_for(tokens: torch.Tensor) -> torch.Tensor:
     return torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
 
 
-def logits_of(model, tokens: torch.Tensor) -> torch.Tensor:
+def logits_of(model, tokens: torch.Tensor, *, position_ids: torch.Tensor | None = None,
+              attention_mask: torch.Tensor | None = None, packed_seq_params=None) -> torch.Tensor:
     """The model's vocab-sharded logits in its compute dtype.
 
     Megatron's ``Float16Module`` casts bf16 logits to fp32 unless told not to: a second, twice as
     large copy of the biggest activation. The vocab-parallel ops upcast chunk by chunk instead.
+    The keyword arguments carry packed sequences (``packing.model_inputs``); given
+    ``position_ids`` without ``packed_seq_params``, RoPE is taken at them (``packing.rope_at``).
     """
     from megatron.core.transformer.module import Float16Module
 
+    from emapg_megatron.training.packing import rope_at
+
     kwargs = {"fp32_output": False} if isinstance(getattr(model, "module", None), Float16Module) else {}
-    return model(tokens, positions_for(tokens), None, **kwargs)
+    if packed_seq_params is not None:
+        kwargs["packed_seq_params"] = packed_seq_params
+    positions = positions_for(tokens) if position_ids is None else position_ids
+    with rope_at(model, position_ids if packed_seq_params is None else None):
+        return model(tokens, positions, attention_mask, **kwargs)
+
+
+def _logits(model, mb: dict) -> torch.Tensor:
+    from emapg_megatron.training.packing import model_inputs
+
+    return logits_of(model, mb["tokens"], **model_inputs(model, mb))
+
+
+def _output(model, mb: dict, fused_lmhead: bool):
+    """(the stage's output tensor, what the last stage's function is given).
+
+    With ``fused_lmhead`` the output layer is bypassed (``models.hidden_output``): the last stage
+    hands its functions the final hidden states with the output weight (``HiddenAndWeight``) and
+    the logits are formed chunk by chunk by ``parallel.lmhead_terms``. Other stages are unchanged.
+    """
+    if not fused_lmhead:
+        logits = _logits(model, mb)
+        return logits, lambda output: output
+    with output_layer_bypassed(model) as cap:
+        hidden = _logits(model, mb)
+    weight = cap.weight
+    return hidden, lambda output: output if weight is None else HiddenAndWeight(output, weight)
 
 
 def _run(model_chunks, microbatches: list[dict], forward_step, *, forward_only: bool,
@@ -48,20 +83,21 @@ def _run(model_chunks, microbatches: list[dict], forward_step, *, forward_only: 
 
 
 def forward_only(model_chunks, microbatches: list[dict],
-                 compute: Callable[[torch.Tensor, dict], dict]) -> list[dict]:
-    """``compute(logits_shard, mb)`` per micro-batch on the last stage (no grad).
+                 compute: Callable[[torch.Tensor, dict], dict], *, fused_lmhead: bool = False) -> list[dict]:
+    """``compute(logits_shard, mb)`` per micro-batch on the last stage (no grad); with
+    ``fused_lmhead``, ``compute(HiddenAndWeight, mb)``.
 
     Returns the list of ``compute`` outputs on the last pipeline stage, ``[]`` elsewhere.
     """
 
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
-        logits = logits_of(model, mb["tokens"])
+        out, head_input = _output(model, mb, fused_lmhead)
 
         def collect(output, non_loss_data=False):
-            return compute(output, mb)
+            return compute(head_input(output), mb)
 
-        return logits, collect
+        return out, collect
 
     with torch.no_grad():
         return _run(model_chunks, microbatches, forward_step, forward_only=True,
@@ -69,8 +105,10 @@ def forward_only(model_chunks, microbatches: list[dict],
 
 
 def forward_backward(model_chunks, microbatches: list[dict],
-                     loss: Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict]]) -> list[dict]:
-    """Accumulate gradients of ``loss(logits_shard, mb) -> (scalar, metrics)`` over micro-batches.
+                     loss: Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict]], *,
+                     fused_lmhead: bool = False) -> list[dict]:
+    """Accumulate gradients of ``loss(logits_shard, mb) -> (scalar, metrics)`` over micro-batches
+    (``loss(HiddenAndWeight, mb)`` with ``fused_lmhead``).
 
     Megatron divides each micro-batch loss by the number of micro-batches and DDP averages
     over data-parallel ranks; ``loss`` must be scaled accordingly by the caller. Returns the
@@ -79,8 +117,8 @@ def forward_backward(model_chunks, microbatches: list[dict],
 
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
-        logits = logits_of(model, mb["tokens"])
-        return logits, lambda output: loss(output, mb)
+        out, head_input = _output(model, mb, fused_lmhead)
+        return out, lambda output: loss(head_input(output), mb)
 
     return _run(model_chunks, microbatches, forward_step, forward_only=False,
                 collect_non_loss_data=False)

@@ -1,0 +1,115 @@
+"""GPTModel's final hidden states and output weight instead of its logits (for :mod:`emapg_megatron.parallel.lmhead_terms`).
+
+The hook, in megatron-core 0.16.1 (``models/gpt/gpt_model.py``): ``GPTModel._postprocess`` ends, on
+the last pipeline stage and without MTP, with::
+
+    output_weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
+    logits, _ = self.output_layer(hidden_states, weight=output_weight, runtime_gather_output=...)
+    if labels is None:
+        return logits.transpose(0, 1).contiguous()  # [s b h] => [b s h]
+
+``hidden_states`` are the decoder's output after its final norm (``TransformerBlock.final_layernorm``),
+``[S, B, H]`` (``[S/TP, B, H]`` under sequence parallelism: ``output_layer`` all-gathers them itself);
+``output_weight`` is the word-embedding weight when tied (``None``: the layer's own ``weight``).
+That call is the one seam where the hidden states meet the output weight, and it is the seam
+Megatron's own fused linear cross-entropy uses: 0.16.1 has no such path (``cross_entropy_loss_fusion``
+fuses only the softmax of materialised logits), later Megatron-LM makes ``output_layer`` a
+``LinearCrossEntropyModule`` (a ColumnParallelLinear subclass) that, called with
+``output_cross_entropy_loss=True, labels=...``, returns the loss from ``(hidden_states, weight)``
+without forming the logits.
+
+:func:`output_layer_bypassed` does the same for any loss: for the duration of a ``with`` block the
+output layer's ``forward`` is replaced by one that records the weight and hands back the hidden states
+(as a transposed view, so GPTModel's own ``transpose(0, 1).contiguous()`` returns the hidden states
+themselves: no copy, Megatron's ``[S, B, H]`` layout). Nothing else of the model changes; the weight
+is the parameter itself, so its gradient reaches DDP's hooks, and tied weights stay tied.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Optional, Tuple
+
+import torch
+
+__all__ = ["OutputCapture", "output_layer_bypassed", "hidden_states_and_weight", "output_weight"]
+
+
+def _gpt(model):
+    """The GPTModel inside DDP / Float16Module wrappers."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def output_weight(model) -> Optional[torch.Tensor]:
+    """This rank's ``[V/TP, H]`` output weight as GPTModel passes it to the output layer (the
+    word-embedding weight when tied); ``None`` off the last pipeline stage."""
+    gpt = _gpt(model)
+    if not gpt.post_process:
+        return None
+    if gpt.share_embeddings_and_output_weights:
+        return gpt.shared_embedding_or_output_weight()
+    return gpt.output_layer.weight
+
+
+class OutputCapture:
+    """What the bypassed output layer was given on the last forward: ``weight`` (``None`` before the
+    first forward and off the last stage)."""
+
+    weight: Optional[torch.Tensor] = None
+
+
+@contextlib.contextmanager
+def output_layer_bypassed(model) -> Iterator[OutputCapture]:
+    """Within the block, ``model(...)`` returns the final hidden states ``[S, B, H]`` (``[S/TP, B, H]``
+    under sequence parallelism) instead of logits; the yielded :class:`OutputCapture` holds the weight.
+
+    ``model``: a GPTModel, possibly inside DDP / Float16Module (call it with ``fp32_output=False``,
+    else Float16Module upcasts the hidden states). A no-op off the last pipeline stage.
+    """
+    gpt = _gpt(model)
+    cap = OutputCapture()
+    if not gpt.post_process:
+        yield cap
+        return
+    if getattr(gpt.config, "mtp_num_layers", None):
+        raise NotImplementedError("output_layer_bypassed: multi-token prediction calls the output layer "
+                                  "for its own logits; not supported")
+    layer = gpt.output_layer
+    previous = layer.__dict__.get("forward")  # an instance override (another hook) to restore
+
+    def capture(input_, weight=None, runtime_gather_output=None, **unused):
+        cap.weight = layer.weight if weight is None else weight
+        return input_.transpose(0, 1), None  # GPTModel transposes back: the hidden states themselves
+
+    layer.forward = capture
+    try:
+        yield cap
+    finally:
+        if previous is None:
+            del layer.forward
+        else:
+            layer.forward = previous
+
+
+def hidden_states_and_weight(model, tokens: torch.Tensor, positions: torch.Tensor,
+                             attention_mask: Optional[torch.Tensor] = None
+                             ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """One forward of ``model`` (GPTModel, or DDP / Float16Module around it) on ``tokens [B, S]``:
+    ``(hidden [S, B, H] in the model's dtype, this rank's output weight [V/TP, H])`` on the last
+    pipeline stage, ``(the stage's output, None)`` elsewhere. Differentiable in both."""
+    from megatron.core.transformer.module import Float16Module
+
+    kwargs = {"fp32_output": False} if any(isinstance(m, Float16Module) for m in _chain(model)) else {}
+    with output_layer_bypassed(model) as cap:
+        out = model(tokens, positions, attention_mask, **kwargs)
+    return out, cap.weight
+
+
+def _chain(model):
+    while True:
+        yield model
+        if not hasattr(model, "module"):
+            return
+        model = model.module

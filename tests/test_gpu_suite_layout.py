@@ -97,7 +97,8 @@ def test_topk_kl_benchmark_parses_the_gpu_stage_arguments(checks, tmp_path):
     argv = stage_argv(checks, "bench_topk_kl", str(tmp_path))
     args = bench.build_parser().parse_args(argv[2:])
     assert (args.device, args.tp, args.tokens, args.vocab, args.dtype) == ("cuda", 1, 16384, 151936, "bfloat16")
-    assert {"emapg_fused", "megatron_ce"} <= set(args.methods)
+    assert args.methods is None and args.hidden == 896  # every method, the fused LM head included
+    assert {"emapg_fused", "megatron_ce", "emapg_fused_lmhead"} <= set(bench.METHODS)
     assert args.out == str(tmp_path / "bench_topk_kl.json") and args.grad_check
     # The compulsory traffic the HBM fraction is judged by: no padding at 151936 (= 1187 x 128).
     assert bench.padded_vocab(151936, 1) == 151936

@@ -79,9 +79,10 @@ def stages(python: str = sys.executable, pytest_timeout_plugin: bool = True) -> 
         Stage("env", "versions of torch, CUDA, the GPU, Megatron-Core, TE, vLLM", 30,
               [python, "-c", ENV_PROBE, "{out}/env.json"], "env.json"),
         Stage("tests", "pytest -m gpu tests/gpu (>= 8 tests)", 290, test_argv, "pytest.json"),
-        Stage("bench_topk_kl", "fused Top-k KL vs Megatron CE, bf16, T=16384, V=151936", 90,
+        Stage("bench_topk_kl", "fused Top-k KL (from logits and from hidden states) vs Megatron CE, "
+              "bf16, T=16384, V=151936, H=896", 90,
               [python, "tools/bench_topk_kl.py", "--device", "cuda", "--tp", "1", "--tokens", "16384",
-               "--vocab", "151936", "--k", "32", "--dtype", "bfloat16", "--repeats", "5",
+               "--vocab", "151936", "--hidden", "896", "--k", "32", "--dtype", "bfloat16", "--repeats", "5",
                "--timeout", "80", "--out", "{out}/bench_topk_kl.json"],
               "bench_topk_kl.json"),
         Stage("bench_train", "12 bf16 trainer steps, Qwen2.5-0.5B shapes, random init", 175,

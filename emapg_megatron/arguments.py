@@ -150,6 +150,10 @@ def build_parser() -> argparse.ArgumentParser:
     a = g["rollout"].add_argument
     a("--rollout-engine", default="megatron", choices=("megatron", "vllm"),
       help="built-in Megatron sampler (CPU and GPU) or vLLM (GPU)")
+    a("--rollout-kv-cache", action=argparse.BooleanOptionalAction, default=True,
+      help="built-in sampler: decode through Megatron-Core's KV cache, feeding only new tokens "
+           "(finished sequences leave the batch); --no-rollout-kv-cache recomputes the whole "
+           "sequence per token (the reference; also what sequence parallelism falls back to)")
     a("--rollout-batch-size", type=int, default=8, help="prompts per trainer step (B)")
     a("--num-samples-per-prompt", type=int, default=8, help="responses per prompt (N, the GRPO group)")
     a("--max-new-tokens", type=int, default=16, help="response length limit")

@@ -26,8 +26,8 @@ from emapg_megatron.models.gpt import (
     validate_precision,
 )
 from emapg_megatron.parallel.output_heads import output_head
+from emapg_megatron.rollout import vllm_engine
 from emapg_megatron.rollout.megatron_sampler import MegatronSampler
-from emapg_megatron.rollout.vllm_engine import VLLMEngine
 from emapg_megatron.runtime import ConfigError
 from emapg_megatron.tasks import get_task
 from emapg_megatron.tasks.synthetic import CharTokenizer, CopyTask
@@ -170,13 +170,13 @@ def build_rollout_engine(args, chunks, model_cfg, tokenizer):
         cfg = arguments.vllm_config(args)
         # The trainer's layout decides whether a model-parallel group must share one batch. No
         # sync here: the first generate syncs, after --load / --pretrained-checkpoint have run.
-        return VLLMEngine(cfg, model_cfg, seq_length=args.seq_length, pad_id=pad_id,
-                          model_chunks=chunks, trainer_tp=args.tensor_model_parallel_size,
-                          pipeline_parallel=args.pipeline_model_parallel_size)
+        return vllm_engine.VLLMEngine(cfg, model_cfg, seq_length=args.seq_length, pad_id=pad_id,
+                                      model_chunks=chunks, trainer_tp=args.tensor_model_parallel_size,
+                                      pipeline_parallel=args.pipeline_model_parallel_size)
     return MegatronSampler(chunks, vocab_size=model_cfg.vocab_size,
                            eos_id=getattr(tokenizer, "eos_token_id", None), pad_id=pad_id,
                            seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
-                           seed=args.seed, tokenizer=tokenizer)
+                           seed=args.seed, tokenizer=tokenizer, kv_cache=args.rollout_kv_cache)
 
 
 def load_pretrained(chunks, optimizer, path: str) -> None:

@@ -443,8 +443,9 @@ class Trainer:
         tokens = max(g["tokens"], 1.0)
         elapsed = time.monotonic() - t0
         return {
-            "reward_mean": float(rewards.mean()),
-            "reward_std": float(rewards.std()),
+            # in fp64: exact for float32 rewards, so independent of the DP gather order
+            "reward_mean": float(rewards.double().mean()),
+            "reward_std": float(rewards.double().std()),
             "kl": g["kl"] / tokens,
             "entropy": g["entropy"] / tokens,
             "clip_frac": g["clip_frac"] / tokens,

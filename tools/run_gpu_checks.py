@@ -7,12 +7,14 @@ Stages, in order, each with its own time limit inside a total budget (default 59
 command ends within 10 minutes on one H100):
 
 * ``env``           versions of torch, CUDA, the GPU, Megatron-Core, TE, vLLM -> env.json
-                    (stage limits: env 30 s, tests 290 s, bench_topk_kl 90 s, bench_train 175 s;
+                    (stage limits: env 30 s, tests 200 s, bench_topk_kl 90 s, bench_rollout 150 s, bench_train 120 s;
                     whether TE and vLLM really import shows in the tests' skip reasons)
 * ``tests``         ``pytest -m gpu tests/gpu`` -> pytest.xml (JUnit) and pytest.json
 * ``bench_topk_kl`` fused Top-k KL vs Megatron's vocab_parallel_cross_entropy, bf16, T = 16384
                     tokens, V = 151936: time, peak memory, fraction of the measured HBM bandwidth
                     -> bench_topk_kl.json
+* ``bench_rollout`` built-in sampler, KV cache vs recompute: tokens/s against the response length
+                    -> bench_rollout.json
 * ``bench_train``   12 bf16 trainer steps of a Qwen2.5-0.5B-shaped model: step time, tokens/s,
                     peak memory -> bench_train.json
 
@@ -78,16 +80,21 @@ def stages(python: str = sys.executable, pytest_timeout_plugin: bool = True) -> 
     return [
         Stage("env", "versions of torch, CUDA, the GPU, Megatron-Core, TE, vLLM", 30,
               [python, "-c", ENV_PROBE, "{out}/env.json"], "env.json"),
-        Stage("tests", "pytest -m gpu tests/gpu (>= 8 tests)", 290, test_argv, "pytest.json"),
+        Stage("tests", "pytest -m gpu tests/gpu (>= 8 tests)", 200, test_argv, "pytest.json"),
         Stage("bench_topk_kl", "fused Top-k KL (from logits and from hidden states) vs Megatron CE, "
               "bf16, T=16384, V=151936, H=896", 90,
               [python, "tools/bench_topk_kl.py", "--device", "cuda", "--tp", "1", "--tokens", "16384",
                "--vocab", "151936", "--hidden", "896", "--k", "32", "--dtype", "bfloat16", "--repeats", "5",
                "--timeout", "80", "--out", "{out}/bench_topk_kl.json"],
               "bench_topk_kl.json"),
-        Stage("bench_train", "12 bf16 trainer steps, Qwen2.5-0.5B shapes, random init", 175,
+        Stage("bench_rollout", "built-in sampler tokens/s vs response length 32..2048, KV cache vs "
+              "recompute (to 512), 12 layers x 1024 hidden, fp32, 16 sequences", 150,
+              [python, "tools/bench_rollout.py", "--device", "cuda", "--model", "small", "--batch", "16",
+               "--lengths", "32,512,2048", "--uncached-max", "512", "--json", "--out", "{out}/bench_rollout.json"],
+              "bench_rollout.json"),
+        Stage("bench_train", "12 bf16 trainer steps, Qwen2.5-0.5B shapes, random init", 120,
               [python, "tools/bench_gpu_train.py", "--out", "{out}/bench_train.json", "--steps", "12",
-               "--timeout", "140"],
+               "--timeout", "100"],
               "bench_train.json"),
     ]
 

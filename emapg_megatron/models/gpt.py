@@ -14,7 +14,17 @@ from dataclasses import asdict, dataclass, field, fields
 
 import torch
 import torch.nn.functional as F
+from megatron.core import parallel_state as ps
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt import gpt_layer_specs as specs
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
+from megatron.core.transformer.transformer_config import TransformerConfig
 
+from emapg_megatron import runtime
 from emapg_megatron.runtime import ConfigError
 
 
@@ -189,8 +199,6 @@ def validate_fp8_shapes(cfg: ModelConfig, tp: int, seq_length: int, sequence_par
 
 def transformer_config(cfg: ModelConfig, tp: int, pp: int, prec: PrecisionConfig | None = None,
                        *, sequence_parallel: bool = False, perform_initialization: bool = True):
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
     prec = prec or PrecisionConfig()
     kwargs = {}
     if prec.fp8_format is not None:
@@ -250,11 +258,6 @@ def layer_spec(cfg: ModelConfig, device_type: str, tcfg, vp_stage: int | None = 
     """TE spec on a GPU with a working Transformer Engine, else the local spec with
     :class:`LocalRMSNorm` in every norm slot (per layer, q/k and the final norm) for this stage's
     layers (``tcfg``: the TransformerConfig)."""
-    from megatron.core.models.gpt import gpt_layer_specs as specs
-    from megatron.core.transformer.identity_op import IdentityOp
-    from megatron.core.transformer.transformer_block import (TransformerBlockSubmodules,
-                                                             get_num_layers_to_build)
-
     if use_transformer_engine(device_type, impl):
         return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=cfg.qk_layernorm)
     layer = specs.get_gpt_layer_local_spec(qk_layernorm=cfg.qk_layernorm, normalization="RMSNorm")
@@ -276,8 +279,6 @@ def build_gpt_model(cfg: ModelConfig, *, tp: int = 1, pp: int = 1, pre_process: 
     ``perform_initialization=False`` skips the random init (weights are left uninitialised):
     only for callers that overwrite every weight, like the converter.
     """
-    from megatron.core.models.gpt import GPTModel
-
     prec = prec or PrecisionConfig()
     cfg.validate(tp, pp)
     validate_precision(prec, device_type)
@@ -308,10 +309,6 @@ def build_for_this_rank(cfg: ModelConfig, prec: PrecisionConfig | None = None, *
     Like Megatron's own model builder it moves the model with ``.cuda()``: not every module takes
     a device (the local spec's ``torch.nn.RMSNorm`` is built on the host).
     """
-    from megatron.core import parallel_state as ps
-
-    from emapg_megatron import runtime
-
     model = build_gpt_model(
         cfg,
         tp=ps.get_tensor_model_parallel_world_size(),

@@ -31,6 +31,7 @@ import contextlib
 from typing import Iterator, Optional, Tuple
 
 import torch
+from megatron.core.transformer.module import Float16Module
 
 __all__ = ["OutputCapture", "output_layer_bypassed", "hidden_states_and_weight", "output_weight"]
 
@@ -99,8 +100,6 @@ def hidden_states_and_weight(model, tokens: torch.Tensor, positions: torch.Tenso
     """One forward of ``model`` (GPTModel, or DDP / Float16Module around it) on ``tokens [B, S]``:
     ``(hidden [S, B, H] in the model's dtype, this rank's output weight [V/TP, H])`` on the last
     pipeline stage, ``(the stage's output, None)`` elsewhere. Differentiable in both."""
-    from megatron.core.transformer.module import Float16Module
-
     kwargs = {"fp32_output": False} if any(isinstance(m, Float16Module) for m in _chain(model)) else {}
     with output_layer_bypassed(model) as cap:
         out = model(tokens, positions, attention_mask, **kwargs)

@@ -20,7 +20,13 @@ The tensor-parallel group is always passed explicitly. See ``docs/vocab_parallel
 
 from .accounting import CollectiveCounter, SavedTensorBytes
 from .estimators import KL_KINDS, TOPK_KL_KINDS, kl_from_policy_terms
-from .lmhead_terms import LMHeadScores, lmhead_logprobs_at, lmhead_policy_terms, lmhead_scores, lmhead_topk
+from .lmhead_terms import (
+    LMHeadScores,
+    lmhead_logprobs_at,
+    lmhead_policy_terms,
+    lmhead_scores,
+    lmhead_topk,
+)
 from .policy_terms import PolicyTerms, vocab_parallel_policy_terms
 from .vocab_parallel import (
     vocab_parallel_logprobs_at,

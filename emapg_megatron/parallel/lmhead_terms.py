@@ -34,6 +34,10 @@ from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
+from megatron.core.tensor_parallel import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+)
 
 from .policy_terms import (
     PolicyTerms,
@@ -180,9 +184,6 @@ def _full_hidden(hidden, group, sequence_parallel: bool):
     """Megatron's mapping into the vocab-parallel region: its backward sums ``dh`` over the group."""
     if group is None or dist.get_world_size(group) == 1:
         return hidden
-    from megatron.core.tensor_parallel import (copy_to_tensor_model_parallel_region,
-                                               gather_from_sequence_parallel_region)
-
     if sequence_parallel:
         return gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True, group=group)
     return copy_to_tensor_model_parallel_region(hidden, group=group)

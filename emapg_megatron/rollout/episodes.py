@@ -107,6 +107,15 @@ def pack_episodes(episodes: Sequence[Episode], n: int, seq_length: int, pad_id: 
     return batch
 
 
+def start_episodes(prompts: Sequence[Sequence[int]], n: int, envs: Sequence[Any], *, tokenizer,
+                   top_p: float, seq_length: int) -> list[Episode]:
+    """One :class:`Episode` per environment (prompt-major, ``n`` per prompt)."""
+    warn_if_truncated_sampling(top_p)
+    if len(envs) != len(prompts) * n:
+        raise ValueError(f"{len(envs)} environments for {len(prompts)} prompts x {n} samples")
+    return [Episode(prompts[s // n], envs[s], tokenizer, seq_length) for s in range(len(envs))]
+
+
 def run_episodes(continue_fn: Callable[..., list[Turn]], prompts: Sequence[Sequence[int]], n: int,
                  envs: Sequence[Any], *, tokenizer, top_p: float, max_new_tokens: int,
                  seq_length: int, pad_id: int) -> tuple[RolloutBatch, list[Episode]]:
@@ -116,10 +125,7 @@ def run_episodes(continue_fn: Callable[..., list[Turn]], prompts: Sequence[Seque
     ``max_turn_tokens``, else ``max_new_tokens``, and never past ``seq_length``), then lets
     its environment answer. The batch's loss mask is 0 on observations.
     """
-    warn_if_truncated_sampling(top_p)
-    if len(envs) != len(prompts) * n:
-        raise ValueError(f"{len(envs)} environments for {len(prompts)} prompts x {n} samples")
-    episodes = [Episode(prompts[s // n], envs[s], tokenizer, seq_length) for s in range(len(envs))]
+    episodes = start_episodes(prompts, n, envs, tokenizer=tokenizer, top_p=top_p, seq_length=seq_length)
     turn = 0
     while active := [s for s, ep in enumerate(episodes) if not ep.done]:
         turns = continue_fn([episodes[s].history() for s in active],

@@ -1,25 +1,29 @@
 """The built-in sampler: autoregressive generation on the Megatron model itself.
 
-It recomputes the full (right-padded) sequence at every decoding step instead of keeping a
-KV cache: simple, exact, and TP/PP-aware because every step is one forward-only pipeline
-schedule. Meant for CPU runs, tests and small GPU runs; vLLM is the engine at scale.
+Two paths, the same samples. By default each step feeds only the new tokens through
+Megatron-Core's KV-cache inference path (:mod:`emapg_megatron.rollout.kv_cache_decoding`);
+``kv_cache=False`` recomputes the full (right-padded) sequence at every step through the
+forward-only pipeline schedule, the simple reference the cached path is tested against. Both
+run at any TP/PP/DP layout. Meant for CPU runs, tests and GPU runs without vLLM.
 
-Randomness is one uniform number per (sequence, token), drawn from a generator keyed by
-(seed, step, turn) and indexed by the sequence's place in the *global* batch, so the same
-global batch samples the same tokens at any TP/PP/DP layout: the basis of the
+Randomness is one uniform number per (sequence, turn, token), drawn from a generator keyed by
+(seed, step, turn, the sequence's place in the *global* batch), so the same global batch
+samples the same tokens at any TP/PP/DP layout and on either path: the basis of the
 layout-equivalence tests.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
 from emapg_megatron import runtime
+from emapg_megatron.rollout import kv_cache_decoding as kv
 from emapg_megatron.rollout.engine import RolloutBatch, build_rollout_batch, warn_if_truncated_sampling
-from emapg_megatron.rollout.episodes import Turn, run_episodes
+from emapg_megatron.rollout.episodes import Turn, pack_episodes, run_episodes, start_episodes
 from emapg_megatron.training.schedule import forward_only, split_microbatches
 
 
@@ -41,7 +45,8 @@ def sample_from_logits(logits: torch.Tensor, uniforms: torch.Tensor, temperature
 
 class MegatronSampler:
     def __init__(self, model_chunks, *, vocab_size: int, eos_id: int | None, pad_id: int,
-                 seq_length: int, micro_batch_size: int, seed: int, tokenizer=None):
+                 seq_length: int, micro_batch_size: int, seed: int, tokenizer=None,
+                 kv_cache: bool = True):
         self.model_chunks = model_chunks
         self.vocab_size = vocab_size
         self.eos_id = eos_id
@@ -50,12 +55,23 @@ class MegatronSampler:
         self.micro_batch_size = micro_batch_size
         self.seed = seed
         self.tokenizer = tokenizer  # decodes turns for stop strings and environments
+        self.kv_cache = kv_cache
+        self.rows_fed: list[int] = []  # cached path: rows per forward, over the last generate
 
     def update_weights(self, model_chunks) -> None:
         self.model_chunks = model_chunks  # same live model: nothing to copy
 
     def metrics(self) -> dict:
         return {}
+
+    def _cached(self) -> bool:
+        """The cached path when asked for and the model allows it (else the reference)."""
+        if not self.kv_cache:
+            return False
+        why = kv.cache_supported(self.model_chunks)
+        if why is not None:
+            warnings.warn(f"KV-cached sampling is off under {why}: recomputing each step", stacklevel=3)
+        return why is None
 
     def _next_token_logits(self, tokens: torch.Tensor, lengths: torch.Tensor):
         """Full-vocabulary logits at each sequence's last position (last PP stage only)."""
@@ -83,48 +99,93 @@ class MegatronSampler:
         return tensors
 
     def _uniforms(self, rng_step: int, turn: int, rows: list[int], width: int) -> torch.Tensor:
-        """One uniform per (sequence, token), keyed by global sequence index: layout-independent.
+        """``[len(rows), width]`` uniforms, row ``i`` keyed by global sequence index ``rows[i]``.
 
-        Drawn on the host generator (the same numbers on any device), then placed on the device.
+        One host generator per row (the same numbers on any device), and a generator's draws
+        do not depend on how many are taken: the same numbers for any layout or batch width.
         """
-        g = torch.Generator().manual_seed((self.seed * 1_000_003 + rng_step) * 1009 + turn)
-        total = max(rows) + 1
-        return torch.rand(total, width, generator=g)[torch.as_tensor(rows)].to(runtime.device())
+        return self._host_uniforms(rng_step, turn, rows, width).to(runtime.device())
+
+    def _host_uniforms(self, rng_step: int, turn: int, rows: list[int], width: int) -> torch.Tensor:
+        out = torch.empty(len(rows), width)
+        for i, row in enumerate(rows):
+            key = ((self.seed * 1_000_003 + rng_step) * 1009 + turn) * 1_000_033 + row
+            out[i] = torch.rand(width, generator=torch.Generator().manual_seed(key % 2**63))
+        return out
+
+    def _sample(self, logits, uniforms: torch.Tensor, temperature: float, top_p: float):
+        """Ids and sampler log-probs of ``[S, V]`` logits on the last stage, on every stage's host."""
+        device = runtime.device()
+        ids = torch.zeros(uniforms.shape[0], dtype=torch.long, device=device)
+        lp = torch.zeros(uniforms.shape[0], device=device)
+        if logits is not None:  # only the real vocabulary, never Megatron's padding ids
+            ids, lp = sample_from_logits(logits[:, :self.vocab_size], uniforms, temperature, top_p)
+        self._broadcast_from_last_stage(ids, lp)
+        return ids.cpu(), lp.cpu()  # the bookkeeping is per sequence, on the host
+
+    def _record(self, turn: Turn, token: int, logprob: float, budget: int, stop) -> bool:
+        """Append a sampled token to its turn; True when the turn is finished."""
+        turn.token_ids.append(int(token))
+        turn.logprobs.append(float(logprob))
+        return self._finished(turn, budget, stop)
+
+    def _check_room(self, histories, budgets) -> None:
+        if max((len(h) + b for h, b in zip(histories, budgets)), default=0) > self.seq_length:
+            raise ValueError(f"prompt + new tokens exceed --seq-length {self.seq_length}")
 
     def _decode(self, histories, budgets: list[int], uniforms: torch.Tensor, temperature: float,
                 top_p: float, stop: Sequence[str] | None) -> list[Turn]:
         """Continue each history by up to its budget; stop at eos or a stop string (kept)."""
+        if self._cached():
+            return self._decode_cached(histories, budgets, uniforms, temperature, top_p, stop)
+        self._check_room(histories, budgets)
         S = len(histories)
         tokens = torch.full((S, self.seq_length), self.pad_id, dtype=torch.long)
         lengths = torch.tensor([len(h) for h in histories], dtype=torch.long)
-        if int((lengths + torch.tensor(budgets)).max()) > self.seq_length:
-            raise ValueError(f"prompt + new tokens exceed --seq-length {self.seq_length}")
         for s, h in enumerate(histories):
             tokens[s, :len(h)] = torch.as_tensor(h)
         turns = [Turn([], [], "") for _ in range(S)]
         done = torch.tensor([b <= 0 for b in budgets])
-        device = runtime.device()
         for t in range(max(budgets, default=0)):
             if bool(done.all()):
                 break
-            ids = torch.zeros(S, dtype=torch.long, device=device)
-            lp = torch.zeros(S, device=device)
-            logits = self._next_token_logits(tokens, lengths)
-            if logits is not None:  # only the real vocabulary, never Megatron's padding ids
-                ids, lp = sample_from_logits(logits[:, :self.vocab_size], uniforms[:, t],
-                                             temperature, top_p)
-            self._broadcast_from_last_stage(ids, lp)
-            ids, lp = ids.cpu(), lp.cpu()  # the bookkeeping below is per sequence, on the host
+            ids, lp = self._sample(self._next_token_logits(tokens, lengths), uniforms[:, t],
+                                   temperature, top_p)
             for s in torch.nonzero(~done).flatten().tolist():
-                turn = turns[s]
-                turn.token_ids.append(int(ids[s]))
-                turn.logprobs.append(float(lp[s]))
                 tokens[s, lengths[s]] = ids[s]
                 lengths[s] += 1
-                done[s] = self._finished(turn, budgets[s], stop)
-        for turn in turns:
-            turn.text = self.tokenizer.decode(turn.token_ids) if self.tokenizer else ""
-        return turns
+                done[s] = self._record(turns[s], ids[s], lp[s], budgets[s], stop)
+        return [self._close(turn) for turn in turns]
+
+    def _close(self, turn: Turn) -> Turn:
+        turn.text = self.tokenizer.decode(turn.token_ids) if self.tokenizer else ""
+        return turn
+
+    def _lockstep(self, streams: list[kv.Stream], advance, temperature: float, top_p: float):
+        """Run ``streams`` through the KV cache (see :func:`kv.decode_lockstep`)."""
+
+        def sample(logits, due):
+            # Host floats, one transfer per step (a device tensor per row would cost an op each).
+            u = torch.tensor([s.uniforms[len(s.turn.token_ids)] for s in due], device=runtime.device())
+            ids, lp = self._sample(logits, u, temperature, top_p)
+            return ids.tolist(), lp.tolist()
+
+        return kv.decode_lockstep(self.model_chunks[0], streams, self.seq_length, sample, advance,
+                                  rows_fed=self.rows_fed)
+
+    def _decode_cached(self, histories, budgets, uniforms, temperature, top_p, stop) -> list[Turn]:
+        """:meth:`_decode` through the KV cache."""
+        self._check_room(histories, budgets)
+        rows = uniforms.cpu().tolist()
+        streams = [kv.Stream(s, list(h), b, rows[s]) for s, (h, b) in enumerate(zip(histories, budgets))]
+
+        def advance(stream, token, lp):
+            stream.known.append(token)
+            return kv.DONE if self._record(stream.turn, token, lp, stream.budget, stop) else kv.CONTINUE
+
+        self.rows_fed.clear()
+        self._lockstep([s for s in streams if s.budget > 0], advance, temperature, top_p)
+        return [self._close(s.turn) for s in streams]
 
     def _finished(self, turn: Turn, budget: int, stop) -> bool:
         if self.eos_id is not None and turn.token_ids[-1] == self.eos_id:
@@ -157,9 +218,12 @@ class MegatronSampler:
                           max_new_tokens: int, stop: Sequence[str] | None = None, rng_step: int = 0,
                           seq_index: Sequence[int] | None = None):
         """Multi-turn rollouts (see :func:`emapg_megatron.rollout.episodes.run_episodes`)."""
+        index = list(seq_index) if seq_index is not None else list(range(len(envs)))
+        if self._cached():
+            return self._episodes_cached(prompts, n, envs, tokenizer, temperature, top_p,
+                                         max_new_tokens, stop, rng_step, index)
 
         def continue_fn(histories, budgets, active, turn):
-            index = seq_index if seq_index is not None else range(len(envs))
             uniforms = self._uniforms(rng_step, turn, [index[s] for s in active],
                                       max(budgets, default=1))
             return self._decode(histories, budgets, uniforms, temperature, top_p, stop)
@@ -167,3 +231,41 @@ class MegatronSampler:
         return run_episodes(continue_fn, prompts, n, envs, tokenizer=tokenizer, top_p=top_p,
                             max_new_tokens=max_new_tokens, seq_length=self.seq_length,
                             pad_id=self.pad_id)
+
+    def _episodes_cached(self, prompts, n, envs, tokenizer, temperature, top_p, max_new_tokens,
+                         stop, rng_step, index):
+        """Episodes through one KV cache: each sequence runs its own turns, its observation
+        tokens are fed like its prompt, so the cache grows across turns. The same samples as
+        the round-by-round reference: a turn's uniforms are keyed by its turn number and each
+        environment sees only its own sequence."""
+        episodes = start_episodes(prompts, n, envs, tokenizer=tokenizer, top_p=top_p,
+                                  seq_length=self.seq_length)
+
+        def next_turn(stream, turn_index):
+            """The stream's next turn, or None when its episode is over."""
+            ep = episodes[stream.key]
+            while not ep.done:
+                budget = ep.turn_budget(max_new_tokens)
+                if budget > 0:
+                    stream.known, stream.budget, stream.turn_index = ep.history(), budget, turn_index
+                    stream.uniforms = self._host_uniforms(rng_step, turn_index, [index[stream.key]],
+                                                          budget)[0].tolist()
+                    stream.turn = Turn([], [], "")
+                    return stream
+                ep.add_turn(self._close(Turn([], [], "")))  # as the reference: an empty turn
+                turn_index += 1
+            return None
+
+        def advance(stream, token, lp):
+            stream.known.append(token)
+            if not self._record(stream.turn, token, lp, stream.budget, stop):
+                return kv.CONTINUE
+            episodes[stream.key].add_turn(self._close(stream.turn))
+            return kv.CONTINUE if next_turn(stream, stream.turn_index + 1) else kv.DONE
+
+        streams = [next_turn(kv.Stream(s, [], 0, []), 0) for s in range(len(episodes))]
+        streams = [s for s in streams if s is not None]
+        self.rows_fed.clear()
+        while streams:  # a stream whose environment rewrote cached tokens restarts in a new cache
+            streams = self._lockstep(streams, advance, temperature, top_p)
+        return pack_episodes(episodes, n, self.seq_length, self.pad_id), episodes

@@ -25,6 +25,13 @@ import math
 from dataclasses import dataclass
 
 import torch
+from megatron.core import parallel_state as ps
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+from emapg_megatron.algo import policy_loss
+from emapg_megatron.training.collectives import gather_cat
+from emapg_megatron.training.model_and_optimizer import unwrap
 
 ROW_MULTIPLE = 8
 """Packed rows are a multiple of this x TP tokens: sequence parallelism splits a row over TP, and
@@ -124,10 +131,6 @@ def plan(batch: dict, max_tokens: int, *, lengths: list[int] | None = None) -> P
     Every DP rank must hold the same number of sequences. Rows are padded to one length under
     pipeline parallelism, where the schedule sends one activation shape.
     """
-    from megatron.core import parallel_state as ps
-
-    from emapg_megatron.training.collectives import gather_cat
-
     S, L = batch["tokens"].shape
     lengths = sequence_lengths(batch["mask"]) if lengths is None else list(lengths)
     dp = ps.get_data_parallel_world_size()
@@ -229,8 +232,6 @@ def policy_loss_terms(mb: dict, logprob, old_logprob, advantages, kl, entropy, m
                       sampling_logprob=None):
     """``algo.policy_loss.policy_loss_terms`` for the micro-batch ``mb``, padded or packed: the
     per-sequence aggregation sees each sequence's tokens as the padded batch has them."""
-    from emapg_megatron.algo import policy_loss
-
     logprob, old_logprob, kl, entropy, mask, sampling_logprob = to_sequences(
         mb, logprob, old_logprob, kl, entropy, mask, sampling_logprob)
     return policy_loss.policy_loss_terms(logprob, old_logprob, advantages, kl, entropy, mask, cfg,
@@ -240,10 +241,6 @@ def policy_loss_terms(mb: dict, logprob, old_logprob, advantages, kl, entropy, m
 # --- what the model is given ----------------------------------------------------------------------
 def uses_thd(model) -> bool:
     """Whether the model's attention takes THD packing (TE), not a mask (the local spec)."""
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-
-    from emapg_megatron.training.model_and_optimizer import unwrap
-
     return not any(isinstance(m, DotProductAttention) for m in unwrap(model).modules())
 
 
@@ -257,8 +254,6 @@ def block_causal_mask(cu_seqlens: torch.Tensor, T: int) -> torch.Tensor:
 
 
 def thd_params(cu_seqlens: torch.Tensor):
-    from megatron.core.packed_seq_params import PackedSeqParams
-
     longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
     return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
                            max_seqlen_q=longest, max_seqlen_kv=longest)
@@ -281,8 +276,6 @@ def rope_at(model, position_ids: torch.Tensor | None):
     GPTModel builds RoPE from the sequence length alone and uses ``position_ids`` only for learned
     position embeddings; THD packing restarts RoPE per segment inside TE, the local spec needs this.
     """
-    from emapg_megatron.training.model_and_optimizer import unwrap
-
     rope = getattr(unwrap(model), "rotary_pos_emb", None)
     if position_ids is None or rope is None:
         yield

@@ -13,9 +13,12 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.module import Float16Module
 
 from emapg_megatron.models.hidden_output import output_layer_bypassed
 from emapg_megatron.parallel.output_heads import HiddenAndWeight
+from emapg_megatron.training.packing import model_inputs, rope_at
 
 
 def positions_for(tokens: torch.Tensor) -> torch.Tensor:
@@ -31,10 +34,6 @@ def logits_of(model, tokens: torch.Tensor, *, position_ids: torch.Tensor | None 
     The keyword arguments carry packed sequences (``packing.model_inputs``); given
     ``position_ids`` without ``packed_seq_params``, RoPE is taken at them (``packing.rope_at``).
     """
-    from megatron.core.transformer.module import Float16Module
-
-    from emapg_megatron.training.packing import rope_at
-
     kwargs = {"fp32_output": False} if isinstance(getattr(model, "module", None), Float16Module) else {}
     if packed_seq_params is not None:
         kwargs["packed_seq_params"] = packed_seq_params
@@ -44,8 +43,6 @@ def logits_of(model, tokens: torch.Tensor, *, position_ids: torch.Tensor | None 
 
 
 def _logits(model, mb: dict) -> torch.Tensor:
-    from emapg_megatron.training.packing import model_inputs
-
     return logits_of(model, mb["tokens"], **model_inputs(model, mb))
 
 
@@ -67,8 +64,6 @@ def _output(model, mb: dict, fused_lmhead: bool):
 
 def _run(model_chunks, microbatches: list[dict], forward_step, *, forward_only: bool,
          collect_non_loss_data: bool):
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
     mbs, seq = microbatches[0]["tokens"].shape
     return get_forward_backward_func()(
         forward_step_func=forward_step,

@@ -1,0 +1,176 @@
+"""KV-cached decoding for the built-in sampler, on Megatron-Core's static inference path.
+
+Megatron-Core keeps the cache: a :class:`StaticInferenceContext` holds every layer's keys and
+values, its attention layers append to it, and :class:`GPTInferenceWrapper` runs the forward
+(pipeline stages exchange hidden states through ``inference.communication_utils``; TP ranks
+get gathered logits). Nothing here computes attention or stores keys.
+
+The static context has one write offset for the whole batch, so the sequences advance in
+lockstep, as in Megatron's own static text generation: the first forward prefills the
+shortest history, then each forward appends ``c`` tokens to every row, where a row's next
+tokens are the rest of its history (prompt, observations) when it has one, else the token it
+just sampled. Every token thus sits at its own position (no padding, no attention mask), so
+the logits are those of the cache-free recompute up to rounding. ``c`` is the smallest number
+of known tokens any row has left (a chunk), or 1 when a row is decoding; chunks after the
+prefill need an explicit causal mask, which only Megatron's local attention takes (TE's drops
+it at a non-zero offset), so under TE they go one token at a time.
+
+A row whose sequence is finished leaves the batch at once: the cache's batch dimension is
+permuted (``swap_key_value_dict``) so live rows come first and only they are fed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from emapg_megatron import runtime
+from emapg_megatron.rollout.episodes import Turn
+
+# What an ``advance`` callback says about a row after its sampled token.
+CONTINUE, DONE, RESTART = "continue", "done", "restart"
+
+
+@dataclass
+class Stream:
+    """One sequence being continued: ``known`` holds its history and the tokens it sampled;
+    the first ``fed`` of them (the cohort's offset) are in the cache."""
+
+    key: int  # the caller's index of the sequence
+    known: list[int]
+    budget: int
+    uniforms: list[float]  # the current turn's uniforms, one per token
+    turn: Turn = field(default_factory=lambda: Turn([], [], ""))
+    turn_index: int = 0
+
+
+def cache_supported(model_chunks) -> str | None:
+    """Why the cached path cannot run this model (None when it can)."""
+    from megatron.core.utils import get_model_config
+
+    if len(model_chunks) != 1:
+        return "virtual pipeline stages (Megatron's inference wrapper takes one model chunk)"
+    if get_model_config(model_chunks[0]).sequence_parallel:
+        return "sequence parallelism (Megatron's static inference does not support it)"
+    return None
+
+
+def _takes_explicit_mask(model) -> bool:
+    """Megatron's local attention applies a given mask at any offset; TE's drops it there."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    return any(isinstance(m, DotProductAttention) for m in model.modules())
+
+
+class CachedForward:
+    """Forwards through one Megatron static inference context (the cache) of ``max_batch``
+    rows and ``max_len`` positions; returns the last position's full-vocabulary logits on the
+    last pipeline stage, None elsewhere."""
+
+    def __init__(self, model, max_batch: int, max_len: int):
+        from megatron.core.inference.contexts import StaticInferenceContext
+        from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import (
+            GPTInferenceWrapper)
+        from megatron.core.inference.model_inference_wrappers.inference_wrapper_config import (
+            InferenceWrapperConfig)
+        from megatron.core.utils import get_model_config
+
+        cfg = get_model_config(model)
+        wcfg = InferenceWrapperConfig(
+            hidden_size=cfg.hidden_size, params_dtype=cfg.params_dtype,
+            inference_batch_times_seqlen_threshold=-1,  # never split a step into micro-batches
+            padded_vocab_size=_output_size(model), fp32_residual_connection=cfg.fp32_residual_connection)
+        self.context = StaticInferenceContext(max_batch, max_len)
+        self.wrapper = GPTInferenceWrapper(model, wcfg, self.context)
+        self.chunks_after_prefill = _takes_explicit_mask(model)
+        self.rows_fed: list[int] = []  # rows per forward: finished rows cost nothing
+
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor | None:
+        offset, width = self.context.sequence_len_offset, tokens.shape[1]
+        device = runtime.device()
+        mask = None
+        if offset > 0 and width > 1:  # a chunk after the prefill: causal within the chunk
+            mask = torch.ones(width, offset + width, dtype=torch.bool, device=device)
+            mask = mask.triu(offset + 1).view(1, 1, width, offset + width)  # True = hidden
+        positions = torch.arange(offset, offset + width, device=device).expand_as(tokens)
+        inputs = {"tokens": tokens.to(device), "position_ids": positions, "attention_mask": mask}
+        self.rows_fed.append(tokens.shape[0])
+        # The wrapper's run_one_forward_step runs under inference_mode; plain no_grad keeps the
+        # cache and Megatron's shared attention buffer ordinary tensors for the training passes.
+        # With PP=1 this forward has no pipeline neighbours and is the plain forward.
+        logits = self.wrapper.forward_pass_with_pipeline_parallel_small_input_batch(inputs)
+        return None if logits is None else logits[:, -1]
+
+    def keep_rows(self, keep: list[int], active: int) -> None:
+        """Move cache rows ``keep`` (of the ``active`` live ones) to the front, in order
+        (nothing to do when all or none stay)."""
+        if not keep or len(keep) == active or not self.context.key_value_memory_dict:
+            return
+        kept = set(keep)
+        rest = [r for r in range(self.context.max_batch_size) if r not in kept]
+        self.context.swap_key_value_dict(torch.as_tensor(keep + rest, device=runtime.device()))
+
+
+def _output_size(model) -> int:
+    from megatron.core.utils import get_attr_wrapped_model
+
+    return get_attr_wrapped_model(model, "vocab_size")
+
+
+def decode_lockstep(model, streams: list[Stream], max_len: int,
+                    sample: Callable[[torch.Tensor | None, list[Stream]], tuple[list[int], list[float]]],
+                    advance: Callable[[Stream, int, float], str], *,
+                    rows_fed: list[int] | None = None) -> list[Stream]:
+    """Continue ``streams`` in one cache until every one is done.
+
+    ``sample(logits_or_None, due)`` draws the next token of each row in ``due`` (the same
+    answer on every rank); ``advance(stream, token, logprob)`` records it and says whether the
+    row continues (its ``known`` may grow by a whole observation), is done, or must restart in
+    a fresh cache because its new history rewrites tokens already cached. Returns the latter.
+    """
+    if not streams:
+        return []
+    forward = CachedForward(model, len(streams), max_len)
+    was_training = model.training
+    forward.wrapper.prep_model_for_inference()  # eval mode (inference attention), context reset
+    active, restart, fed = list(streams), [], 0
+    try:
+        with torch.no_grad():
+            while active:
+                logits = forward(_next_tokens(active, fed, forward.chunks_after_prefill))
+                fed = forward.context.sequence_len_offset
+                status = _advance_due(active, fed, logits, sample, advance)
+                restart += [s for s, st in zip(active, status) if st == RESTART]
+                keep = [i for i, st in enumerate(status) if st == CONTINUE]
+                forward.keep_rows(keep, len(active))
+                active = [active[i] for i in keep]
+    finally:
+        model.train(was_training)
+    if rows_fed is not None:
+        rows_fed += forward.rows_fed
+    return restart
+
+
+def _next_tokens(active: list[Stream], fed: int, chunks_ok: bool) -> torch.Tensor:
+    """Every row's next ``width`` known tokens: all rows have at least one (a row that sampled
+    has its token to feed), a whole chunk when they all have more history left."""
+    left = min(len(s.known) - fed for s in active)
+    width = left if fed == 0 or chunks_ok else 1
+    return torch.tensor([s.known[fed:fed + width] for s in active], dtype=torch.long)
+
+
+def _advance_due(active: list[Stream], fed: int, logits, sample, advance) -> list[str]:
+    """Sample the rows whose known tokens are all cached; the others keep feeding history."""
+    status = [CONTINUE] * len(active)
+    due = [i for i, s in enumerate(active) if len(s.known) == fed]
+    if not due:
+        return status
+    ids, lps = sample(None if logits is None else logits[due], [active[i] for i in due])
+    for i, tok, lp in zip(due, ids, lps):
+        cached = active[i].known[:fed]
+        status[i] = advance(active[i], tok, lp)
+        if status[i] == CONTINUE and active[i].known[:fed] != cached:
+            status[i] = RESTART  # the environment rewrote tokens the cache already holds
+    return status

@@ -1,0 +1,105 @@
+"""Rank functions for the KV-cached sampler tests (spawned, so module level).
+
+One run per layout samples the same prompts on both paths (cached, cache-free) and returns
+what the tests compare: tokens, sampler log-probs, rows fed per cached forward, and
+multi-turn episodes. Weights come from one checkpoint written at TP=PP=1, so every layout
+holds the same model.
+"""
+
+import os
+
+import torch
+
+from emapg_megatron.models.gpt import ModelConfig
+from emapg_megatron.tasks.base import Segment
+
+TINY = dict(vocab_size=40, make_vocab_size_divisible_by=8, hidden_size=64, ffn_hidden_size=128,
+            num_layers=2, num_attention_heads=4, num_query_groups=2, max_position_embeddings=64)
+# Variable lengths: the first forward prefills 3 tokens, the longer prompts feed the rest.
+PROMPTS = [[5, 9, 2], [7, 1, 1, 4, 8, 3, 6], [11, 12, 13, 14, 15], [2, 3, 4, 5]]
+N, MAX_NEW, EOS = 2, 16, 3
+
+
+class CountingEnv:
+    """A scripted multi-turn environment: turns of at most ``3 + row % 3`` tokens, then an
+    observation of 1-4 tokens, done after three turns. With ``cut`` it keeps only the first
+    two tokens of each turn, rewriting tokens the cache already holds (a restart)."""
+
+    def __init__(self, row: int, cut: bool = False):
+        self.row, self.cut, self.turns = row, cut, 0
+        self.segments: list[Segment] = []
+        self.done = False
+        self.max_turn_tokens = 3 + row % 3
+        self.response_text = ""
+
+    def step(self, text, token_ids=None):
+        ids = list(token_ids)[:2] if self.cut else list(token_ids)
+        self.segments.append(Segment(text, "model", ids))
+        self.turns += 1
+        if self.turns >= 3:
+            self.done = True
+            return
+        obs = [(self.row * 7 + self.turns * 3 + j) % 30 + 1 for j in range(1 + (self.row + self.turns) % 4)]
+        self.segments.append(Segment("", "observation", obs))
+
+
+def _model(ckpt: str, save: bool):
+    from megatron.core import dist_checkpointing
+
+    from emapg_megatron.models.gpt import build_for_this_rank
+
+    model = build_for_this_rank(ModelConfig(**TINY))
+    if save:
+        os.makedirs(ckpt, exist_ok=True)
+        dist_checkpointing.save(model.sharded_state_dict(), ckpt)
+    else:
+        model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), ckpt))
+    return model
+
+
+def _sampler(model, kv_cache: bool, eos_id=EOS):
+    from emapg_megatron.rollout.megatron_sampler import MegatronSampler
+
+    return MegatronSampler([model], vocab_size=TINY["vocab_size"], eos_id=eos_id, pad_id=0,
+                           seq_length=TINY["max_position_embeddings"], micro_batch_size=8, seed=7,
+                           kv_cache=kv_cache)
+
+
+def _share(dp: int, rank: int):
+    """DP rank ``rank``'s prompts and their global sequence indices (``N`` samples each)."""
+    mine = list(range(rank, len(PROMPTS), dp))
+    return [PROMPTS[i] for i in mine], [i * N + k for i in mine for k in range(N)]
+
+
+def _generate(sampler, prompts, seq_index, temperature=1.0, top_p=1.0):
+    batch = sampler.generate(prompts, N, temperature, top_p, MAX_NEW, rng_step=3, seq_index=seq_index)
+    return {"responses": batch.responses, "logprobs": batch.sampling_logprobs,
+            "rows_fed": list(sampler.rows_fed)}
+
+
+def _episodes(sampler, prompts, seq_index, cut: bool):
+    envs = [CountingEnv(i, cut=cut and i % 3 == 1) for i in seq_index]
+    batch, _ = sampler.generate_episodes(prompts, N, envs, tokenizer=None, temperature=1.0, top_p=1.0,
+                                         max_new_tokens=MAX_NEW, rng_step=5, seq_index=seq_index)
+    return {"tokens": batch.tokens, "loss_mask": batch.loss_mask, "logprobs": batch.sampling_logprobs,
+            "rows_fed": list(sampler.rows_fed)}
+
+
+def sample_both_paths(ckpt: str, save: bool):
+    """Cached and cache-free samples of the whole batch, single- and multi-turn; with ``save``
+    (the TP=PP=1 run) also the cached samples of each rank's share at DP=2, as a DP rank
+    samples them (sampling involves no data-parallel communication)."""
+    model = _model(ckpt, save)
+    prompts, seq_index = _share(1, 0)
+    out = {}
+    for name, kv_cache in (("cached", True), ("reference", False)):
+        sampler = _sampler(model, kv_cache)
+        out[name] = _generate(sampler, prompts, seq_index)
+        out[name + "_top_p"] = _generate(sampler, prompts, seq_index, temperature=0.7, top_p=0.9)
+        sampler.eos_id = None
+        out[name + "_episodes"] = _episodes(sampler, prompts, seq_index, cut=False)
+        out[name + "_episodes_cut"] = _episodes(sampler, prompts, seq_index, cut=True)
+    if save:
+        out["dp2"] = [_generate(_sampler(model, True), *_share(2, r)) for r in range(2)]
+    out["training_mode_kept"] = model.training
+    return out

@@ -1,0 +1,79 @@
+"""The KV-cached sampler against the cache-free reference, at TP=1, TP=2 and PP=2.
+
+With the same uniforms both paths must sample the same tokens with the same log-probs (fp32,
+up to rounding), single- and multi-turn; the cached samples must not depend on the layout;
+and a finished sequence must leave the batch (rows fed per cached forward).
+"""
+
+import pytest
+import torch
+from kv_cache_workers import EOS, MAX_NEW, N, PROMPTS, sample_both_paths
+
+from emapg_megatron.multiprocess import run_distributed
+
+ATOL = 1e-5
+RUNS = ["", "_top_p", "_episodes", "_episodes_cut"]
+
+
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory):
+    """Each layout's per-rank results; TP=1 writes the weights every other layout loads."""
+    ckpt = str(tmp_path_factory.mktemp("kv") / "weights")
+    out = {"tp1": run_distributed(sample_both_paths, 1, args=(ckpt, True))}
+    out["tp2"] = run_distributed(sample_both_paths, 2, tp=2, args=(ckpt, False))
+    out["pp2"] = run_distributed(sample_both_paths, 2, pp=2, args=(ckpt, False))
+    return out
+
+
+def _same(a: dict, b: dict) -> None:
+    if "responses" in a:
+        assert a["responses"] == b["responses"]
+    else:
+        assert torch.equal(a["tokens"], b["tokens"]) and torch.equal(a["loss_mask"], b["loss_mask"])
+    torch.testing.assert_close(a["logprobs"], b["logprobs"], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("layout", ["tp1", "tp2", "pp2"])
+@pytest.mark.parametrize("run", RUNS)
+def test_cached_path_samples_what_the_cache_free_path_samples(layouts, layout, run):
+    for rank in layouts[layout]:
+        _same(rank["cached" + run], rank["reference" + run])
+
+
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+@pytest.mark.parametrize("run", RUNS)
+def test_cached_samples_do_not_depend_on_the_model_parallel_layout(layouts, layout, run):
+    for rank in layouts[layout]:  # every rank of the model-parallel group holds the batch
+        _same(rank["cached" + run], layouts["tp1"][0]["cached" + run])
+
+
+def test_cached_samples_do_not_depend_on_the_data_parallel_layout(layouts):
+    """Each DP=2 rank's share (a smaller cache, other prompt lengths beside it) samples what
+    those sequences sample in the whole batch."""
+    ref = layouts["tp1"][0]["cached"]
+    for rank, got in enumerate(layouts["tp1"][0]["dp2"]):
+        mine = [i * N + k for i in range(rank, len(PROMPTS), 2) for k in range(N)]
+        assert got["responses"] == [ref["responses"][s] for s in mine]
+        torch.testing.assert_close(got["logprobs"], ref["logprobs"][mine], atol=ATOL, rtol=0)
+
+
+def test_finished_sequences_leave_the_batch(layouts):
+    """Forward k feeds exactly the rows still unfinished: a row is fed from the prefill (which
+    covers the shortest prompt) until its last token is sampled."""
+    got = layouts["tp1"][0]["cached"]
+    lengths = [len(PROMPTS[s // N]) for s in range(len(got["responses"]))]
+    shortest = min(lengths)
+    forwards = [p + len(r) - shortest for p, r in zip(lengths, got["responses"])]
+    assert any(r[-1] == EOS and len(r) < MAX_NEW for r in got["responses"])  # some stop early
+    assert got["rows_fed"] == [sum(f > k for f in forwards) for k in range(max(forwards))]
+
+
+def test_episodes_feed_observations_into_the_cache_and_restart_only_on_rewrites(layouts):
+    """Without rewrites a multi-turn batch runs in one cache (rows only leave it); a turn the
+    environment cuts after cached tokens sends its row to a fresh cache."""
+    rank = layouts["tp1"][0]
+    fed = rank["cached_episodes"]["rows_fed"]
+    assert fed[0] == len(PROMPTS) * N and all(a >= b for a, b in zip(fed, fed[1:]))
+    cut = rank["cached_episodes_cut"]["rows_fed"]
+    assert any(b > a for a, b in zip(cut, cut[1:]))  # a second cache starts
+    assert rank["training_mode_kept"]

@@ -1,0 +1,116 @@
+"""Benchmark the built-in sampler: generated tokens/s against the response length, with the KV
+cache (the default) and without it (the cache-free reference), side by side.
+
+    python tools/bench_rollout.py --json                       # CPU, tiny model
+    python tools/bench_rollout.py --device cuda --model small --uncached-max 2048 --json
+
+Each length samples ``--batch`` sequences of exactly that many tokens (no eos) from one
+``--prompt``-token prompt per sequence, after one short warm-up call; the sampler's buffers are
+sized to prompt + length, as ``evaluate --load`` sizes them. The cache-free path recomputes
+the whole sequence per token, so on a CPU it stops at ``--uncached-max`` (null beyond). The
+check: the cached path's tokens/s at the longest length is at least half of its own at the
+shortest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+MODELS = {
+    "tiny": dict(vocab_size=100, make_vocab_size_divisible_by=64, hidden_size=64, ffn_hidden_size=128,
+                 num_layers=2, num_attention_heads=4, num_query_groups=2),
+    "small": dict(vocab_size=32000, make_vocab_size_divisible_by=128, hidden_size=1024,
+                  ffn_hidden_size=2816, num_layers=12, num_attention_heads=16, num_query_groups=4),
+}
+
+
+def _samplers(model_name: str, max_len: int, batch: int) -> dict:
+    """The cached and the cache-free sampler over one model."""
+    from emapg_megatron.models.gpt import ModelConfig, build_for_this_rank
+    from emapg_megatron.rollout.megatron_sampler import MegatronSampler
+
+    cfg = ModelConfig(**MODELS[model_name], max_position_embeddings=max_len)
+    chunks = [build_for_this_rank(cfg)]
+    return {name: MegatronSampler(chunks, vocab_size=cfg.vocab_size, eos_id=None, pad_id=0,
+                                  seq_length=max_len, micro_batch_size=batch, seed=0, kv_cache=kv)
+            for name, kv in (("cached", True), ("uncached", False))}
+
+
+def _tokens_per_s(sampler, prompts, length: int) -> float:
+    import torch
+
+    sampler.seq_length = len(prompts[0]) + length
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    batch = sampler.generate(prompts, 1, 1.0, 1.0, length)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    return sum(len(r) for r in batch.responses) / elapsed
+
+
+def measure(model_name: str, lengths: list[int], batch: int, prompt: int, uncached_max: int) -> list[dict]:
+    """One row per length: tokens/s of both paths (one rank, spawned by run_distributed)."""
+    import torch
+
+    torch.manual_seed(0)
+    prompts = [[(7 * s + i) % 90 + 1 for i in range(prompt)] for s in range(batch)]
+    samplers = _samplers(model_name, prompt + max(lengths), batch)
+    for s in samplers.values():
+        _tokens_per_s(s, prompts, 8)  # warm-up: allocations, lazy imports
+    rows = []
+    for length in lengths:
+        row = {"response_tokens": length, "batch": batch, "prompt_tokens": prompt}
+        for name, s in samplers.items():
+            skip = name == "uncached" and length > uncached_max
+            row[f"{name}_tokens_per_s"] = None if skip else round(_tokens_per_s(s, prompts, length), 1)
+        rows.append(row)
+    return rows
+
+
+def summary(rows: list[dict]) -> dict:
+    first, last = rows[0], rows[-1]
+    ratio = last["cached_tokens_per_s"] / first["cached_tokens_per_s"]
+    return {"check": f"cached tokens/s at {last['response_tokens']} >= half of at {first['response_tokens']}",
+            "cached_ratio": round(ratio, 3), "pass": ratio >= 0.5}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", choices=sorted(MODELS), default="tiny")
+    p.add_argument("--lengths", default="32,128,512,2048", help="comma-separated response lengths")
+    p.add_argument("--batch", type=int, default=4, help="sequences per generate call")
+    p.add_argument("--prompt", type=int, default=16, help="prompt tokens per sequence")
+    p.add_argument("--uncached-max", type=int, default=512,
+                   help="longest length the cache-free path runs (its cost grows with the square)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--json", action="store_true", help="one JSON object: rows and the check")
+    p.add_argument("--out", default=None, help="also write that JSON object to this file")
+    return p
+
+
+def main(argv=None) -> None:
+    from emapg_megatron.multiprocess import run_distributed
+
+    args = build_parser().parse_args(argv)
+    lengths = sorted(int(x) for x in args.lengths.split(","))
+    [rows] = run_distributed(measure, 1, device=args.device, timeout=3600,
+                             args=(args.model, lengths, args.batch, args.prompt, args.uncached_max))
+    result = {"model": args.model, "device": args.device, "rows": rows, **summary(rows)}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    if args.json:
+        print(json.dumps(result))
+        return
+    print(f"{'tokens':>7} {'cached tok/s':>13} {'uncached tok/s':>15}")
+    for r in rows:
+        print(f"{r['response_tokens']:>7} {r['cached_tokens_per_s']:>13} {str(r['uncached_tokens_per_s']):>15}")
+    print(f"{result['check']}: ratio {result['cached_ratio']} ({'pass' if result['pass'] else 'FAIL'})")
+
+
+if __name__ == "__main__":
+    main()

@@ -32,6 +32,9 @@ import sys
 from collections import OrderedDict
 from typing import Any, Mapping, Optional, Protocol, Sequence
 
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
 from .tasks import get_task
 from .tasks.passk import _check, default_ks, mean_pass_at_k
 
@@ -237,9 +240,6 @@ def _markdown(summary: dict, title: str) -> str:
 
 
 def _plot(summary: dict, path: str, title: str) -> None:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
     ks = summary["ks"]
     fig = Figure(figsize=(6, 4), dpi=100)
     FigureCanvasAgg(fig)

@@ -10,6 +10,10 @@ import math
 import os
 import time
 
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from torch.utils.tensorboard import SummaryWriter
+
 PROGRESS_KEYS = ("reward_mean", "kl", "clip_frac", "ema_lag", "entropy", "ema/stability_margin")
 PLOT_KEYS = ("reward_mean", "kl", "entropy", "clip_frac", "ema_lag", "pg_loss")
 
@@ -38,8 +42,6 @@ class MetricsLogger:
         path = os.path.join(log_dir, "metrics.jsonl")
         trim_jsonl(path, start_step)
         self.jsonl = open(path, "a", encoding="utf-8")
-        from torch.utils.tensorboard import SummaryWriter
-
         # A resumed run logs steps start_step+1.. again: hide the old run's events from there on.
         self.tb = SummaryWriter(tensorboard_dir or os.path.join(log_dir, "tensorboard"),
                                 purge_step=start_step + 1 if start_step else None)
@@ -118,13 +120,10 @@ def plot_curves(jsonl_path: str, png_path: str, keys=PLOT_KEYS) -> str | None:
     keys = [k for k in keys if any(k in r for r in records)]
     if not keys:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(keys), figsize=(3.2 * len(keys), 2.8), squeeze=False)
-    for ax, key in zip(axes[0], keys):
+    fig = Figure(figsize=(3.2 * len(keys), 2.8))  # no pyplot: no global figure state, no GUI backend
+    FigureCanvasAgg(fig)
+    for i, key in enumerate(keys):
+        ax = fig.add_subplot(1, len(keys), i + 1)
         pts = [(r["step"], r[key]) for r in records if key in r]
         ax.plot([p[0] for p in pts], [p[1] for p in pts], lw=1.2)
         ax.set_title(key)
@@ -132,5 +131,4 @@ def plot_curves(jsonl_path: str, png_path: str, keys=PLOT_KEYS) -> str | None:
         ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(png_path, dpi=110)
-    plt.close(fig)
     return png_path

@@ -7,10 +7,9 @@ temperature and top-p), which the KL estimators need for their importance weight
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Protocol, Sequence
-
-import warnings
 
 import torch
 import torch.distributed as dist

@@ -14,7 +14,11 @@ from typing import Any, Callable
 
 import torch
 
-from emapg_megatron.rollout.engine import RolloutBatch, build_rollout_batch, warn_if_truncated_sampling
+from emapg_megatron.rollout.engine import (
+    RolloutBatch,
+    build_rollout_batch,
+    warn_if_truncated_sampling,
+)
 from emapg_megatron.tasks.base import encode_text
 
 

@@ -25,6 +25,15 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+from megatron.core.inference.contexts import StaticInferenceContext
+from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import (
+    GPTInferenceWrapper,
+)
+from megatron.core.inference.model_inference_wrappers.inference_wrapper_config import (
+    InferenceWrapperConfig,
+)
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.utils import get_attr_wrapped_model, get_model_config
 
 from emapg_megatron import runtime
 from emapg_megatron.rollout.episodes import Turn
@@ -48,8 +57,6 @@ class Stream:
 
 def cache_supported(model_chunks) -> str | None:
     """Why the cached path cannot run this model (None when it can)."""
-    from megatron.core.utils import get_model_config
-
     if len(model_chunks) != 1:
         return "virtual pipeline stages (Megatron's inference wrapper takes one model chunk)"
     if get_model_config(model_chunks[0]).sequence_parallel:
@@ -59,8 +66,6 @@ def cache_supported(model_chunks) -> str | None:
 
 def _takes_explicit_mask(model) -> bool:
     """Megatron's local attention applies a given mask at any offset; TE's drops it there."""
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-
     return any(isinstance(m, DotProductAttention) for m in model.modules())
 
 
@@ -70,13 +75,6 @@ class CachedForward:
     last pipeline stage, None elsewhere."""
 
     def __init__(self, model, max_batch: int, max_len: int):
-        from megatron.core.inference.contexts import StaticInferenceContext
-        from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import (
-            GPTInferenceWrapper)
-        from megatron.core.inference.model_inference_wrappers.inference_wrapper_config import (
-            InferenceWrapperConfig)
-        from megatron.core.utils import get_model_config
-
         cfg = get_model_config(model)
         wcfg = InferenceWrapperConfig(
             hidden_size=cfg.hidden_size, params_dtype=cfg.params_dtype,
@@ -114,8 +112,6 @@ class CachedForward:
 
 
 def _output_size(model) -> int:
-    from megatron.core.utils import get_attr_wrapped_model
-
     return get_attr_wrapped_model(model, "vocab_size")
 
 

@@ -8,7 +8,16 @@ from __future__ import annotations
 
 import os
 
+from transformers import AutoTokenizer
+
+from emapg_megatron import runtime
+from emapg_megatron.checkpoint import load_hf_weights
+from emapg_megatron.checkpoint.hf_config import model_config_from_hf, read_hf_config
+from emapg_megatron.models.gpt import build_for_this_rank
+from emapg_megatron.multiprocess import free_port
+from emapg_megatron.rollout.megatron_sampler import MegatronSampler
 from emapg_megatron.runtime import ConfigError
+from emapg_megatron.tasks.base import encode_text
 
 
 class MegatronGenerationBackend:
@@ -16,8 +25,6 @@ class MegatronGenerationBackend:
 
     def __init__(self, model_chunks, tokenizer, model_cfg, *, temperature: float, top_p: float,
                  max_new_tokens: int, seed: int):
-        from emapg_megatron.rollout.megatron_sampler import MegatronSampler
-
         self.tokenizer = tokenizer
         self.max_positions = model_cfg.max_position_embeddings
         self.temperature, self.top_p, self.max_new_tokens = temperature, top_p, max_new_tokens
@@ -29,8 +36,6 @@ class MegatronGenerationBackend:
 
     def __call__(self, prompts: list[str], n: int, *, stop=None, max_new_tokens: int | None = None,
                  **_ignored) -> list[list[str]]:
-        from emapg_megatron.tasks.base import encode_text
-
         budget = max_new_tokens or self.max_new_tokens
         ids = [encode_text(self.tokenizer, p) for p in prompts]
         longest = max(len(i) for i in ids) + budget
@@ -48,13 +53,6 @@ class MegatronGenerationBackend:
 
 def load_megatron_backend(hf_dir: str, *, temperature: float = 1.0, top_p: float = 1.0,
                           max_new_tokens: int = 512, seed: int = 0, **_ignored):
-    from transformers import AutoTokenizer
-
-    from emapg_megatron import runtime
-    from emapg_megatron.checkpoint import load_hf_weights
-    from emapg_megatron.checkpoint.hf_config import model_config_from_hf, read_hf_config
-    from emapg_megatron.models.gpt import build_for_this_rank
-
     if not os.path.isfile(os.path.join(hf_dir, "config.json")):
         raise ConfigError(f"--load {hf_dir}: not a Hugging Face directory (no config.json); "
                           f"convert a training checkpoint with `emapg-convert mcore-to-hf` first")
@@ -73,6 +71,4 @@ def load_megatron_backend(hf_dir: str, *, temperature: float = 1.0, top_p: float
 
 
 def _free_port() -> int:
-    from emapg_megatron.multiprocess import free_port
-
     return free_port()

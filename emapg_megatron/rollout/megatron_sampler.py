@@ -19,11 +19,22 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
 from emapg_megatron import runtime
 from emapg_megatron.rollout import kv_cache_decoding as kv
-from emapg_megatron.rollout.engine import RolloutBatch, build_rollout_batch, warn_if_truncated_sampling
-from emapg_megatron.rollout.episodes import Turn, pack_episodes, run_episodes, start_episodes
+from emapg_megatron.rollout.engine import (
+    RolloutBatch,
+    build_rollout_batch,
+    warn_if_truncated_sampling,
+)
+from emapg_megatron.rollout.episodes import (
+    Turn,
+    pack_episodes,
+    run_episodes,
+    start_episodes,
+)
 from emapg_megatron.training.schedule import forward_only, split_microbatches
 
 
@@ -75,8 +86,6 @@ class MegatronSampler:
 
     def _next_token_logits(self, tokens: torch.Tensor, lengths: torch.Tensor):
         """Full-vocabulary logits at each sequence's last position (last PP stage only)."""
-        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
-
         def pick(logits_shard, mb):
             rows = torch.arange(logits_shard.shape[0], device=logits_shard.device)
             last = logits_shard[rows, mb["lengths"] - 1]
@@ -89,8 +98,6 @@ class MegatronSampler:
         return torch.cat([o["logits"] for o in outs]) if outs else None
 
     def _broadcast_from_last_stage(self, *tensors):
-        from megatron.core import parallel_state as ps
-
         if ps.get_pipeline_model_parallel_world_size() == 1:
             return tensors
         src = ps.get_pipeline_model_parallel_last_rank()

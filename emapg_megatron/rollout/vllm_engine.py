@@ -44,10 +44,19 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from packaging.version import Version
 
-from emapg_megatron.rollout.engine import RolloutBatch, build_rollout_batch, warn_if_truncated_sampling
+from emapg_megatron import runtime
+from emapg_megatron.rollout import weight_sync
+from emapg_megatron.rollout.engine import (
+    RolloutBatch,
+    build_rollout_batch,
+    warn_if_truncated_sampling,
+)
 from emapg_megatron.rollout.episodes import Episode, Turn, run_episodes
 from emapg_megatron.runtime import ConfigError
+from emapg_megatron.tasks.base import encode_text
 
 logger = logging.getLogger(__name__)
 
@@ -64,8 +73,6 @@ def import_vllm():
     except ImportError:
         raise ConfigError(f"the vLLM rollout engine needs vLLM, which is not installed: "
                           f"{INSTALL_HINT}") from None
-    from packaging.version import Version
-
     version = getattr(vllm, "__version__", "0")
     if Version(version).release < Version(MIN_VLLM).release:
         raise ConfigError(f"vLLM {version} is too old for the rollout engine (needs >= {MIN_VLLM} "
@@ -177,8 +184,6 @@ def sampling_kwargs(*, n: int, temperature: float, top_p: float, max_tokens: int
 # --- keeping a model-parallel group on one batch ----------------------------------------
 def broadcast_rollout_batch(batch: RolloutBatch, *, src: int, group) -> RolloutBatch:
     """Every rank of ``group`` gets rank ``src``'s batch (all ranks pass same-shaped batches)."""
-    from emapg_megatron import runtime
-
     device = runtime.device()
     lengths = torch.tensor([len(r) for r in batch.responses], dtype=torch.long)
     parts = [t.to(device, copy=True) for t in (batch.tokens, batch.loss_mask,
@@ -284,13 +289,11 @@ class VLLMEngine:
 
         The weights stay awake afterwards: the next generate only has to wake the KV cache.
         """
-        from emapg_megatron.rollout.weight_sync import sync_weights
-
         if model_chunks is not None:
             self.model_chunks = model_chunks
         if not self._weights_awake:
             self._wake("weights")  # the KV cache stays released while new weights stream in
-        stats = sync_weights(self.model_chunks, self.model_cfg, self._load,
+        stats = weight_sync.sync_weights(self.model_chunks, self.model_cfg, self._load,
                              bucket_bytes=self.cfg.bucket_bytes)
         self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
         self._weights_valid = True
@@ -320,8 +323,6 @@ class VLLMEngine:
         texts, which the rewards score) when the vLLM and trainer layouts differ."""
         if not self.needs_broadcast:
             return batch
-        from megatron.core import parallel_state as ps
-
         group = ps.get_model_parallel_group()
         src = dist.get_process_group_ranks(group)[0]
         if episodes is not None:
@@ -408,8 +409,6 @@ class VLLMGenerationBackend:
 
     def __call__(self, prompts: list[str], n: int, *, stop: Sequence[str] | None = None,
                  max_new_tokens: int | None = None, **_: Any) -> list[list[str]]:
-        from emapg_megatron.tasks.base import encode_text
-
         params = [self._sampling_params_cls(**sampling_kwargs(
             n=n, temperature=self.temperature, top_p=self.top_p,
             max_tokens=max_new_tokens or self.max_new_tokens, stop=stop,

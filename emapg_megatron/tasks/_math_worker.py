@@ -19,6 +19,7 @@ power, say) does not see the alarm; the parent's hard timeout kills the process 
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
@@ -103,8 +104,6 @@ def _set_pdeathsig() -> None:
     if not sys.platform.startswith("linux"):
         return
     try:
-        import ctypes
-
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except Exception:

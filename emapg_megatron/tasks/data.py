@@ -29,6 +29,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import datasets
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 logger = logging.getLogger(__name__)
 
@@ -120,8 +121,6 @@ def _read(path: str) -> tuple[list[Union[dict, Exception]], Optional[Any]]:
         raise DataFileError(path, "unsupported file type: use .parquet, .jsonl or .json")
     try:
         if lower.endswith(".parquet"):
-            import pyarrow.parquet as pq
-
             table = pq.read_table(path)
             return table.to_pylist(), table.schema
         if lower.endswith(".json"):

@@ -326,7 +326,7 @@ def fake_chunks(scale: float) -> list[dict]:
 
 @pytest.fixture
 def fake_sync(monkeypatch):
-    """Replace ``weight_sync.sync_weights`` (the engine imports it at call time)."""
+    """Replace ``weight_sync.sync_weights`` (the engine calls it through its module)."""
     calls = []
 
     def sync_weights(model_chunks, model_cfg, load, *, bucket_bytes):

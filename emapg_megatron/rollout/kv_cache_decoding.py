@@ -104,8 +104,8 @@ class CachedForward:
     def keep_rows(self, keep: list[int], active: int) -> None:
         """Move cache rows ``keep`` (of the ``active`` live ones) to the front, in order
         (nothing to do when all or none stay)."""
-        if not keep or len(keep) == active or not self.context.key_value_memory_dict:
-            return
+        if not keep or keep == list(range(len(keep))) or not self.context.key_value_memory_dict:
+            return  # the live rows already lead: rows past them are never read (a full copy saved)
         kept = set(keep)
         rest = [r for r in range(self.context.max_batch_size) if r not in kept]
         self.context.swap_key_value_dict(torch.as_tensor(keep + rest, device=runtime.device()))

@@ -118,7 +118,6 @@ class PolicyPasses:
     def __init__(self, kl: KLConfig, loss: LossConfig, vocab_size: int, head=None):
         self.kl = kl
         self.loss = loss
-        self.vocab_size = vocab_size
         self.head = head or LogitsHead(vocab_size)
 
     @staticmethod
@@ -227,7 +226,7 @@ class Trainer:
         self.rollout_batch_size = rollout_batch_size
         self.skipped_steps = 0
         self.monitor = monitor
-        self.padding_fraction = 0.0  # set by each pass's micro-batching, logged per step
+        self.padding_fraction = 0.0  # of the rollout batch as the passes compute it, logged per step
         self.monitor_sequences = monitor_sequences
 
     # --- checkpoint state ----------------------------------------------------------------
@@ -323,32 +322,38 @@ class Trainer:
         n_local = all_rewards.numel() // dp
         return adv[dp_rank * n_local:(dp_rank + 1) * n_local]
 
-    def microbatches(self, batch: dict):
-        """(micro-batches, merge of their per-token outputs back to ``[S, L]``): fixed-size padded
-        ones, or with --sequence-packing whole sequences packed under the token budget (the same
-        number of micro-batches on every DP rank)."""
+    def packing_plan(self, batch: dict):
+        """With --sequence-packing, the plan that packs ``batch`` under the token budget (the same
+        number of micro-batches on every DP rank; a collective over DP), else None."""
         if not self.cfg.sequence_packing:
-            self.padding_fraction = packing.padded_fraction(batch["mask"])
-            return split_microbatches(batch, self.cfg.micro_batch_size), concat_outputs
+            return None
         budget = self.cfg.max_tokens_per_microbatch or self.cfg.micro_batch_size * batch["tokens"].shape[1]
-        plan = packing.plan(batch, budget)  # gathers the sequence lengths over DP
-        self.padding_fraction = plan.padding_fraction()
+        return packing.plan(batch, budget)
+
+    def microbatches(self, batch: dict, plan):
+        """(micro-batches, merge of their per-token outputs back to ``[S, L]``): fixed-size padded
+        ones, or whole sequences packed by ``plan``."""
+        if plan is None:
+            return split_microbatches(batch, self.cfg.micro_batch_size), concat_outputs
         mbs = packing.pack(batch, plan)
         return mbs, lambda outs: packing.unpack(outs, mbs, plan.shape)
 
     def no_grad_passes(self, batch: dict) -> dict:
-        mbs, merge = self.microbatches(batch)
+        plan = self.packing_plan(batch)  # one plan for both passes: the lengths do not change
+        self.padding_fraction = (plan.padding_fraction() if plan is not None
+                                 else packing.padded_fraction(batch["mask"]))
+        mbs, merge = self.microbatches(batch, plan)
         fused = self.passes.head.fused
         batch = {**batch, **merge(forward_only(self.model_chunks, mbs, self.passes.old, fused_lmhead=fused))}
         with self.anchor.swapped_in():
-            mbs, merge = self.microbatches(batch)  # now with the old pass's top-k ids
+            mbs, merge = self.microbatches(batch, plan)  # now with the old pass's top-k ids
             ref = merge(forward_only(self.model_chunks, mbs, self.passes.anchor, fused_lmhead=fused))
         return {**batch, **ref}
 
     def train_minibatch(self, batch: dict) -> dict:
         """One optimizer step over ``batch`` (this rank's share of a mini-batch)."""
         dp, _, dp_group = self._dp()
-        mbs, _ = self.microbatches(batch)
+        mbs, _ = self.microbatches(batch, self.packing_plan(batch))
         agg = self.passes.loss.agg_mode
         norm = reduce_sum({"n": normaliser(batch["mask"], agg)}, group=dp_group)["n"]
         scale = len(mbs) * dp / max(norm, 1.0)  # undo Megatron's 1/num_mb and DDP's 1/dp
@@ -461,7 +466,7 @@ class Trainer:
             "update_time_s": time.monotonic() - t_passes,
             "lr": self.optimizer.param_groups[0]["lr"],
             "max_memory_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,  # 0 in CPU mode
-            # share of the token slots the passes computed that were padding (this rank's last pass)
+            # share of the token slots the passes compute that are padding (this rank's rollout batch)
             "padding_frac": self.padding_fraction,
             "skipped": stats["skipped"],
             "updates_refused": stats["updates_refused"],

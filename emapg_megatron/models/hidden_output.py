@@ -28,30 +28,13 @@ is the parameter itself, so its gradient reaches DDP's hooks, and tied weights s
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Optional, Tuple
+from typing import Iterator, Optional
 
 import torch
-from megatron.core.transformer.module import Float16Module
 
-__all__ = ["OutputCapture", "output_layer_bypassed", "hidden_states_and_weight", "output_weight"]
+from emapg_megatron.training.model_and_optimizer import unwrap
 
-
-def _gpt(model):
-    """The GPTModel inside DDP / Float16Module wrappers."""
-    while hasattr(model, "module"):
-        model = model.module
-    return model
-
-
-def output_weight(model) -> Optional[torch.Tensor]:
-    """This rank's ``[V/TP, H]`` output weight as GPTModel passes it to the output layer (the
-    word-embedding weight when tied); ``None`` off the last pipeline stage."""
-    gpt = _gpt(model)
-    if not gpt.post_process:
-        return None
-    if gpt.share_embeddings_and_output_weights:
-        return gpt.shared_embedding_or_output_weight()
-    return gpt.output_layer.weight
+__all__ = ["OutputCapture", "output_layer_bypassed"]
 
 
 class OutputCapture:
@@ -69,7 +52,7 @@ def output_layer_bypassed(model) -> Iterator[OutputCapture]:
     ``model``: a GPTModel, possibly inside DDP / Float16Module (call it with ``fp32_output=False``,
     else Float16Module upcasts the hidden states). A no-op off the last pipeline stage.
     """
-    gpt = _gpt(model)
+    gpt = unwrap(model)
     cap = OutputCapture()
     if not gpt.post_process:
         yield cap
@@ -92,23 +75,3 @@ def output_layer_bypassed(model) -> Iterator[OutputCapture]:
             del layer.forward
         else:
             layer.forward = previous
-
-
-def hidden_states_and_weight(model, tokens: torch.Tensor, positions: torch.Tensor,
-                             attention_mask: Optional[torch.Tensor] = None
-                             ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """One forward of ``model`` (GPTModel, or DDP / Float16Module around it) on ``tokens [B, S]``:
-    ``(hidden [S, B, H] in the model's dtype, this rank's output weight [V/TP, H])`` on the last
-    pipeline stage, ``(the stage's output, None)`` elsewhere. Differentiable in both."""
-    kwargs = {"fp32_output": False} if any(isinstance(m, Float16Module) for m in _chain(model)) else {}
-    with output_layer_bypassed(model) as cap:
-        out = model(tokens, positions, attention_mask, **kwargs)
-    return out, cap.weight
-
-
-def _chain(model):
-    while True:
-        yield model
-        if not hasattr(model, "module"):
-            return
-        model = model.module

@@ -7,8 +7,7 @@ package computes everything the policy loss needs from them without gathering th
   - no-grad primitives for the old-policy and anchor passes (:mod:`.vocab_parallel`);
 * :func:`vocab_parallel_policy_terms` - the differentiable fused op: log pi(y), log pi(q), entropy
   (:mod:`.policy_terms`);
-* :func:`lmhead_policy_terms`, :func:`lmhead_scores` (and :func:`lmhead_logprobs_at`,
-  :func:`lmhead_topk`) - the same from the final hidden states and the output weight shard, the
+* :func:`lmhead_policy_terms`, :func:`lmhead_scores` - the same from the final hidden states and the output weight shard, the
   logits formed chunk by chunk and never kept (:mod:`.lmhead_terms`);
 * :func:`kl_from_policy_terms` - wiring of those terms into the single-device KL library
   (:mod:`.estimators`);
@@ -22,10 +21,8 @@ from .accounting import CollectiveCounter, SavedTensorBytes
 from .estimators import KL_KINDS, TOPK_KL_KINDS, kl_from_policy_terms
 from .lmhead_terms import (
     LMHeadScores,
-    lmhead_logprobs_at,
     lmhead_policy_terms,
     lmhead_scores,
-    lmhead_topk,
 )
 from .policy_terms import PolicyTerms, vocab_parallel_policy_terms
 from .vocab_parallel import (
@@ -42,8 +39,6 @@ __all__ = [
     "PolicyTerms",
     "lmhead_policy_terms",
     "lmhead_scores",
-    "lmhead_logprobs_at",
-    "lmhead_topk",
     "LMHeadScores",
     "kl_from_policy_terms",
     "KL_KINDS",

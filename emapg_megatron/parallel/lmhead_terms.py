@@ -68,7 +68,7 @@ from .vocab_parallel import (
 # per FLOP); the chunk's fp32 work buffer is then larger than the logits ops' budget.
 _MIN_GEMM_ROWS = 256
 
-__all__ = ["LMHeadScores", "lmhead_policy_terms", "lmhead_scores", "lmhead_logprobs_at", "lmhead_topk"]
+__all__ = ["LMHeadScores", "lmhead_policy_terms", "lmhead_scores"]
 
 
 class LMHeadScores(NamedTuple):
@@ -269,16 +269,3 @@ def lmhead_scores(
         topk_logprob=_from_rows(top_lp.view(r.lead + (k,)), r.seq_first),
         lse=_from_rows(res.lse.view(r.lead), r.seq_first),
     )
-
-
-def lmhead_logprobs_at(hidden, weight, ids, *, group, vocab_size=None, chunk_size=None, sequence_parallel=False):
-    """:func:`~.vocab_parallel.vocab_parallel_logprobs_at` of ``hidden @ weight.T`` (no gradient)."""
-    return lmhead_scores(hidden, weight, ids, group=group, vocab_size=vocab_size, chunk_size=chunk_size,
-                         sequence_parallel=sequence_parallel).logprob
-
-
-def lmhead_topk(hidden, weight, k, *, vocab_size, group, chunk_size=None, sequence_parallel=False):
-    """:func:`~.vocab_parallel.vocab_parallel_topk` of ``hidden @ weight.T``: ``(ids, logprobs)``."""
-    s = lmhead_scores(hidden, weight, None, k, group=group, vocab_size=vocab_size, chunk_size=chunk_size,
-                      sequence_parallel=sequence_parallel)
-    return s.topk_ids, s.topk_logprob

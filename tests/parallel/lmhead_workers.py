@@ -39,7 +39,9 @@ def weighted(terms, inp) -> torch.Tensor:
 
 def unfused_logits(hidden, weight, group, sp: bool) -> torch.Tensor:
     """GPTModel's output layer: ColumnParallelLinear's function, then ``[S, B, V/TP] -> [B, S, V/TP]``."""
-    from megatron.core.tensor_parallel.layers import linear_with_grad_accumulation_and_async_allreduce
+    from megatron.core.tensor_parallel.layers import (
+        linear_with_grad_accumulation_and_async_allreduce,
+    )
 
     if group is None:  # TP 1 in the test process: no parallel state
         return torch.matmul(hidden, weight.t()).transpose(0, 1).contiguous()
@@ -52,9 +54,14 @@ def unfused_logits(hidden, weight, group, sp: bool) -> torch.Tensor:
 
 def op_run(inp: dict, tag: str, group, tp: int, rank: int, sp: bool) -> dict:
     """Fused and unfused forward + backward on this rank's shards; no-grad scores of both."""
-    from emapg_megatron.parallel import (lmhead_policy_terms, lmhead_scores, vocab_parallel_logprobs_at,
-                                         vocab_parallel_logsumexp, vocab_parallel_policy_terms,
-                                         vocab_parallel_topk)
+    from emapg_megatron.parallel import (
+        lmhead_policy_terms,
+        lmhead_scores,
+        vocab_parallel_logprobs_at,
+        vocab_parallel_logsumexp,
+        vocab_parallel_policy_terms,
+        vocab_parallel_topk,
+    )
 
     dt = DTYPES[tag]
     width, seq = PADDED // tp, S // tp if sp else S
@@ -152,65 +159,57 @@ def policy_loss(terms, mb):
     return loss, {"loss": loss.detach()}
 
 
-def _gpt_step(fused: bool, sequence_parallel: bool, forward_only: bool):
-    """A pipeline ``forward_step`` on the logits (GPTModel as is) or on the hidden states (the hook)."""
+def _passes(fused: bool, sequence_parallel: bool):
+    """(no-grad pass, loss) on the logits, or on the hidden states and weight the production
+    schedule hands over with ``fused_lmhead`` (``HiddenAndWeight``)."""
     from megatron.core import parallel_state as ps
 
-    from emapg_megatron.models.hidden_output import hidden_states_and_weight
-    from emapg_megatron.parallel import (lmhead_policy_terms, lmhead_scores, vocab_parallel_logprobs_at,
-                                         vocab_parallel_policy_terms, vocab_parallel_topk)
-    from emapg_megatron.training.schedule import logits_of, positions_for
+    from emapg_megatron.parallel import (
+        lmhead_policy_terms,
+        lmhead_scores,
+        vocab_parallel_logprobs_at,
+        vocab_parallel_policy_terms,
+        vocab_parallel_topk,
+    )
 
     group = ps.get_tensor_model_parallel_group()
     kw = dict(group=group, vocab_size=GPT_VOCAB)
 
-    def no_grad_pass(out, weight, mb):  # the old / anchor passes: log pi(y), log pi(q), top-k
+    def no_grad_pass(out, mb):  # the old / anchor passes: log pi(y), log pi(q), top-k
         ids = torch.cat([mb["labels"].unsqueeze(-1), mb["q"]], dim=-1)
         if fused:
-            s = lmhead_scores(out, weight, ids, 4, sequence_parallel=sequence_parallel, chunk_size=5, **kw)
+            s = lmhead_scores(out.hidden, out.weight, ids, 4, sequence_parallel=sequence_parallel,
+                              chunk_size=5, **kw)
             return dict(at=s.logprob, topk_ids=s.topk_ids, topk=s.topk_logprob)
         top_ids, top = vocab_parallel_topk(out, 4, **kw)
         return dict(at=vocab_parallel_logprobs_at(out, ids, **kw), topk_ids=top_ids, topk=top)
 
-    def loss(out, weight, mb):
+    def loss(out, mb):
         args = (mb["labels"], mb["q"])
         opts = dict(with_entropy=True, loss_mask=mb["mask"], chunk_size=5, **kw)
         if fused:
-            terms = lmhead_policy_terms(out, weight, *args, sequence_parallel=sequence_parallel, **opts)
+            terms = lmhead_policy_terms(out.hidden, out.weight, *args, sequence_parallel=sequence_parallel,
+                                        **opts)
         else:
             terms = vocab_parallel_policy_terms(out, *args, **opts)
         return policy_loss(terms, mb)
 
-    def forward_step(data_iterator, model):
-        mb = next(data_iterator)
-        if fused:
-            out, weight = hidden_states_and_weight(model, mb["tokens"], positions_for(mb["tokens"]))
-        else:
-            out, weight = logits_of(model, mb["tokens"]), None
-        if forward_only:
-            return out, lambda o, non_loss_data=False: no_grad_pass(o, weight, mb)
-        return out, lambda o: loss(o, weight, mb)
-
-    return forward_step
-
-
-def _run(chunks, forward_step, forward_only: bool, mbs: list):
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    b, seq = mbs[0]["tokens"].shape
-    with torch.set_grad_enabled(not forward_only):
-        return get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(mbs), model=chunks,
-                                           num_microbatches=len(mbs), seq_length=seq, micro_batch_size=b,
-                                           forward_only=forward_only, collect_non_loss_data=forward_only)
+    return no_grad_pass, loss
 
 
 def gpt_compare(tied: bool, bf16: bool, sequence_parallel: bool = False) -> dict:
     """One model, both paths: the no-grad outputs and the parameter gradients (after Megatron's
     finalize_model_grads: DP, the tied-embedding sum over stages, TP sums under SP)."""
-    from emapg_megatron.models.gpt import PrecisionConfig
-    from emapg_megatron.training.model_and_optimizer import (OptimConfig, build_model_and_optimizer,
-                                                                   unwrap, zero_grads)
     from megatron_workers import grads_by_global_name, tiny_config
+
+    from emapg_megatron.models.gpt import PrecisionConfig
+    from emapg_megatron.training.model_and_optimizer import (
+        OptimConfig,
+        build_model_and_optimizer,
+        unwrap,
+        zero_grads,
+    )
+    from emapg_megatron.training.schedule import forward_backward, forward_only
 
     chunks, opt = build_model_and_optimizer(tiny_config(tie_word_embeddings=tied, hidden_size=32, ffn_hidden_size=64),
                                             OptimConfig(lr=1e-2), PrecisionConfig(bf16=bf16),
@@ -219,9 +218,10 @@ def gpt_compare(tied: bool, bf16: bool, sequence_parallel: bool = False) -> dict
     out = {}
     for fused in (False, True):
         name = "fused" if fused else "unfused"
-        nograd = _run(chunks, _gpt_step(fused, sequence_parallel, True), True, mbs)
+        no_grad_pass, loss = _passes(fused, sequence_parallel)
+        nograd = forward_only(chunks, mbs, no_grad_pass, fused_lmhead=fused)
         zero_grads(chunks, opt)
-        losses = _run(chunks, _gpt_step(fused, sequence_parallel, False), False, mbs)
+        losses = forward_backward(chunks, mbs, loss, fused_lmhead=fused)
         out[name] = dict(nograd=nograd, losses=[d["loss"] for d in losses], grads=grads_by_global_name(chunks[0]))
     gpt = unwrap(chunks[0])
     out["restored"] = not gpt.post_process or "forward" not in gpt.output_layer.__dict__  # the hook is undone

@@ -14,16 +14,23 @@ def _texts():
                 yield " ".join(str(v) for v in json.loads(line).values())
 
 
-def build_tiny_hf(out_dir: str, vocab_size: int = 320) -> str:
+def byte_level_bpe(texts, vocab_size: int, special_tokens: list):
+    """A byte-level BPE ``tokenizers.Tokenizer`` trained in memory on ``texts`` (no downloads)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special_tokens, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(_texts(), trainer)
+    tok.train_from_iterator(texts, trainer)
+    return tok
+
+
+def build_tiny_hf(out_dir: str, vocab_size: int = 320) -> str:
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    tok = byte_level_bpe(_texts(), vocab_size, ["<|endoftext|>"])
     hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
                                      pad_token="<|endoftext|>")
     hf_tok.save_pretrained(out_dir)

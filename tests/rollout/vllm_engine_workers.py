@@ -25,8 +25,7 @@ def sync_mismatch_and_broadcast(bucket_bytes: int) -> dict:
 
     from emapg_megatron.checkpoint.weights import export_hf_weights
     from emapg_megatron.models.gpt import build_for_this_rank
-    from emapg_megatron.rollout.engine import build_rollout_batch
-    from emapg_megatron.rollout.engine import logprob_mismatch
+    from emapg_megatron.rollout.engine import build_rollout_batch, logprob_mismatch
     from emapg_megatron.rollout.vllm_engine import broadcast_rollout_batch
     from emapg_megatron.rollout.weight_sync import sync_weights
 
@@ -74,18 +73,11 @@ def write_tiny_hf_dir(path) -> str:
     import json
     import os
 
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tiny_hf import SAMPLES, byte_level_bpe
     from transformers import PreTrainedTokenizerFast
 
-    corpus = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                          "data", "samples", "corpus.jsonl")
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<s>", "</s>"], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    with open(corpus) as f:
-        tok.train_from_iterator([json.loads(line)["contents"] for line in f], trainer)
+    with open(os.path.join(SAMPLES, "corpus.jsonl")) as f:
+        tok = byte_level_bpe([json.loads(line)["contents"] for line in f], 400, ["<s>", "</s>"])
     hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
     hf.save_pretrained(path)
     config = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 64,

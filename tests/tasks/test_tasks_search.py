@@ -6,7 +6,12 @@ import urllib.request
 
 import pytest
 
-from emapg_megatron.tasks.base import ROLE_MODEL, ROLE_OBSERVATION, Segment, build_token_ids_and_mask
+from emapg_megatron.tasks.base import (
+    ROLE_MODEL,
+    ROLE_OBSERVATION,
+    Segment,
+    build_token_ids_and_mask,
+)
 from emapg_megatron.tasks.search import (
     INVALID_ACTION_MESSAGE,
     SearchConfig,
@@ -37,18 +42,14 @@ class CharTokenizer:
 def _hf_tokenizer():
     """A real byte-level BPE HF tokenizer, trained in memory (adds BOS by default)."""
     pytest.importorskip("transformers")
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tiny_hf import byte_level_bpe
+    from tokenizers import processors
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=500, special_tokens=["<s>", "</s>"], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     with open(CORPUS) as f:
         text = [json.loads(line)["contents"] for line in f]
     text += ["<search> query </search>\n\n<information>Doc 1(Title: x) y</information>\n\n<answer> a </answer>"] * 20
-    tok.train_from_iterator(text, trainer)
+    tok = byte_level_bpe(text, 500, ["<s>", "</s>"])
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
     hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
     hf.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"

@@ -126,3 +126,14 @@ def foundation_run(ckpt_dir: str, save: bool, dist_opt: bool = False, adam_eps: 
     result["step_ok"] = torch.tensor(bool(ok))
     result["params"] = params_by_global_name(chunks[0])
     return result
+
+
+def assert_pp2_matches(first: dict, last: dict, ref: dict) -> None:
+    """A PP=2 run (``losses``, ``grads`` by global name per stage) equals the one-rank ``ref``: the
+    loss only on the last stage, the two stages' gradients together those of the whole model."""
+    assert first["losses"].numel() == 0  # the loss lives on the last stage
+    torch.testing.assert_close(last["losses"], ref["losses"], rtol=0, atol=1e-6)
+    merged = {**first["grads"], **last["grads"]}
+    assert set(merged) == set(ref["grads"])
+    for name, g in ref["grads"].items():
+        torch.testing.assert_close(merged[name], g, rtol=1e-5, atol=1e-6, msg=name)

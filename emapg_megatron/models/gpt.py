@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from megatron.core import parallel_state as ps
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt import gpt_layer_specs as specs
+from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.transformer_block import (
     TransformerBlockSubmodules,
@@ -125,6 +126,12 @@ class PrecisionConfig:
 
     def params_dtype(self) -> torch.dtype:
         return torch.bfloat16 if self.bf16 else torch.float32
+
+
+def has_local_attention(model) -> bool:
+    """Whether ``model`` (any wrapper) attends with Megatron's local ``DotProductAttention`` (the
+    local spec: it takes an explicit mask at any cache offset, and no THD packing) rather than TE's."""
+    return any(isinstance(m, DotProductAttention) for m in model.modules())
 
 
 def te_available() -> bool:

@@ -32,10 +32,10 @@ from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper 
 from megatron.core.inference.model_inference_wrappers.inference_wrapper_config import (
     InferenceWrapperConfig,
 )
-from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.utils import get_attr_wrapped_model, get_model_config
 
 from emapg_megatron import runtime
+from emapg_megatron.models.gpt import has_local_attention
 from emapg_megatron.rollout.episodes import Turn
 
 # What an ``advance`` callback says about a row after its sampled token.
@@ -64,11 +64,6 @@ def cache_supported(model_chunks) -> str | None:
     return None
 
 
-def _takes_explicit_mask(model) -> bool:
-    """Megatron's local attention applies a given mask at any offset; TE's drops it there."""
-    return any(isinstance(m, DotProductAttention) for m in model.modules())
-
-
 class CachedForward:
     """Forwards through one Megatron static inference context (the cache) of ``max_batch``
     rows and ``max_len`` positions; returns the last position's full-vocabulary logits on the
@@ -82,7 +77,7 @@ class CachedForward:
             padded_vocab_size=_output_size(model), fp32_residual_connection=cfg.fp32_residual_connection)
         self.context = StaticInferenceContext(max_batch, max_len)
         self.wrapper = GPTInferenceWrapper(model, wcfg, self.context)
-        self.chunks_after_prefill = _takes_explicit_mask(model)
+        self.chunks_after_prefill = has_local_attention(model)  # TE drops a mask at an offset
         self.rows_fed: list[int] = []  # rows per forward: finished rows cost nothing
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor | None:

@@ -27,9 +27,9 @@ from dataclasses import dataclass
 import torch
 from megatron.core import parallel_state as ps
 from megatron.core.packed_seq_params import PackedSeqParams
-from megatron.core.transformer.dot_product_attention import DotProductAttention
 
 from emapg_megatron.algo import policy_loss
+from emapg_megatron.models.gpt import has_local_attention
 from emapg_megatron.training.collectives import gather_cat
 from emapg_megatron.training.model_and_optimizer import unwrap
 
@@ -239,11 +239,6 @@ def policy_loss_terms(mb: dict, logprob, old_logprob, advantages, kl, entropy, m
 
 
 # --- what the model is given ----------------------------------------------------------------------
-def uses_thd(model) -> bool:
-    """Whether the model's attention takes THD packing (TE), not a mask (the local spec)."""
-    return not any(isinstance(m, DotProductAttention) for m in unwrap(model).modules())
-
-
 def block_causal_mask(cu_seqlens: torch.Tensor, T: int) -> torch.Tensor:
     """``[1, 1, T, T]`` bool, True where attention is masked: causal within each segment only."""
     seg = torch.repeat_interleave(torch.arange(len(cu_seqlens) - 1, device=cu_seqlens.device),
@@ -263,7 +258,7 @@ def model_inputs(model, mb: dict) -> dict:
     """Keyword args of ``schedule.logits_of`` for ``mb``: none for a padded micro-batch."""
     if "packing" not in mb:
         return {}
-    if uses_thd(model):
+    if not has_local_attention(model):  # TE: THD packing
         return {"position_ids": mb["position_ids"], "packed_seq_params": thd_params(mb["cu_seqlens"])}
     return {"position_ids": mb["position_ids"],
             "attention_mask": block_causal_mask(mb["cu_seqlens"], mb["tokens"].shape[1])}

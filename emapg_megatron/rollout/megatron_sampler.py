@@ -106,14 +106,11 @@ class MegatronSampler:
         return tensors
 
     def _uniforms(self, rng_step: int, turn: int, rows: list[int], width: int) -> torch.Tensor:
-        """``[len(rows), width]`` uniforms, row ``i`` keyed by global sequence index ``rows[i]``.
+        """``[len(rows), width]`` host uniforms, row ``i`` keyed by global sequence index ``rows[i]``.
 
         One host generator per row (the same numbers on any device), and a generator's draws
         do not depend on how many are taken: the same numbers for any layout or batch width.
         """
-        return self._host_uniforms(rng_step, turn, rows, width).to(runtime.device())
-
-    def _host_uniforms(self, rng_step: int, turn: int, rows: list[int], width: int) -> torch.Tensor:
         out = torch.empty(len(rows), width)
         for i, row in enumerate(rows):
             key = ((self.seed * 1_000_003 + rng_step) * 1009 + turn) * 1_000_033 + row
@@ -146,6 +143,7 @@ class MegatronSampler:
         if self._cached():
             return self._decode_cached(histories, budgets, uniforms, temperature, top_p, stop)
         self._check_room(histories, budgets)
+        uniforms = uniforms.to(runtime.device())  # one transfer; a column per step
         S = len(histories)
         tokens = torch.full((S, self.seq_length), self.pad_id, dtype=torch.long)
         lengths = torch.tensor([len(h) for h in histories], dtype=torch.long)
@@ -183,7 +181,7 @@ class MegatronSampler:
     def _decode_cached(self, histories, budgets, uniforms, temperature, top_p, stop) -> list[Turn]:
         """:meth:`_decode` through the KV cache."""
         self._check_room(histories, budgets)
-        rows = uniforms.cpu().tolist()
+        rows = uniforms.tolist()
         streams = [kv.Stream(s, list(h), b, rows[s]) for s, (h, b) in enumerate(zip(histories, budgets))]
 
         def advance(stream, token, lp):
@@ -255,8 +253,8 @@ class MegatronSampler:
                 budget = ep.turn_budget(max_new_tokens)
                 if budget > 0:
                     stream.known, stream.budget, stream.turn_index = ep.history(), budget, turn_index
-                    stream.uniforms = self._host_uniforms(rng_step, turn_index, [index[stream.key]],
-                                                          budget)[0].tolist()
+                    stream.uniforms = self._uniforms(rng_step, turn_index, [index[stream.key]],
+                                                     budget)[0].tolist()
                     stream.turn = Turn([], [], "")
                     return stream
                 ep.add_turn(self._close(Turn([], [], "")))  # as the reference: an empty turn

@@ -15,8 +15,8 @@ of known tokens any row has left (a chunk), or 1 when a row is decoding; chunks 
 prefill need an explicit causal mask, which only Megatron's local attention takes (TE's drops
 it at a non-zero offset), so under TE they go one token at a time.
 
-A row whose sequence is finished leaves the batch at once: the cache's batch dimension is
-permuted (``swap_key_value_dict``) so live rows come first and only they are fed.
+A row whose sequence is finished leaves the batch at once: the live rows' cache entries move
+to the front of Megatron's cache, in place, so only they are fed.
 """
 
 from __future__ import annotations
@@ -97,13 +97,19 @@ class CachedForward:
         return None if logits is None else logits[:, -1]
 
     def keep_rows(self, keep: list[int], active: int) -> None:
-        """Move cache rows ``keep`` (of the ``active`` live ones) to the front, in order
-        (nothing to do when all or none stay)."""
+        """Move cache rows ``keep`` (of the ``active`` live ones) to the front, in order.
+
+        Megatron's ``swap_key_value_dict`` permutes the whole static cache (every position of
+        every row) at each finishing step; only the live rows' filled positions are ever read
+        again, so only those move, in place in Megatron's own cache tensors.
+        """
         if not keep or keep == list(range(len(keep))) or not self.context.key_value_memory_dict:
-            return  # the live rows already lead: rows past them are never read (a full copy saved)
-        kept = set(keep)
-        rest = [r for r in range(self.context.max_batch_size) if r not in kept]
-        self.context.swap_key_value_dict(torch.as_tensor(keep + rest, device=runtime.device()))
+            return  # the live rows already lead: rows past them are never read
+        rows = torch.as_tensor(keep, device=runtime.device())
+        filled = self.context.sequence_len_offset
+        for cache in self.context.key_value_memory_dict.values():
+            for t in cache:  # keys, values: [positions, batch, heads, head_dim]
+                t[:filled, :len(keep)] = t[:filled, rows]  # the right side is a copy: no overlap
 
 
 def _output_size(model) -> int:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 from megatron.core import parallel_state as ps
+from megatron.core.utils import get_model_config
 
 from emapg_megatron import runtime
 from emapg_megatron.algo.advantages import compute_advantages
@@ -29,8 +30,8 @@ from emapg_megatron.parallel.output_heads import LogitsHead
 from emapg_megatron.rollout.engine import logprob_mismatch
 from emapg_megatron.runtime import ConfigError
 from emapg_megatron.tasks.base import encode_text
-from emapg_megatron.training import checkpointing, packing
-from emapg_megatron.training.collectives import gather_cat, reduce_sum
+from emapg_megatron.training import checkpointing, packing, sequence_balance
+from emapg_megatron.training.collectives import gather_at, gather_cat, reduce_sum
 from emapg_megatron.training.model_and_optimizer import unwrap, zero_grads
 from emapg_megatron.training.optimizer_step import check_weights, step_if_finite
 from emapg_megatron.training.schedule import (
@@ -100,14 +101,20 @@ def shifted(per_token: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def training_batch(rollout) -> dict:
-    """The rollout as the passes read it, label-aligned and on the device."""
+def training_batch(rollout, width_multiple: int = 1) -> dict:
+    """The rollout as the passes read it: label-aligned, on the device, its width padded to a
+    multiple of ``width_multiple`` (sequence parallelism splits it over TP)."""
     device = runtime.device()
+    pad = -rollout.tokens.shape[1] % width_multiple
+
+    def lay(t):
+        return torch.nn.functional.pad(t, (0, pad)).to(device)
+
     return {
-        "tokens": rollout.tokens.to(device),
-        "labels": shifted(rollout.tokens).to(device),
-        "mask": shifted(rollout.loss_mask).to(device),
-        "sampling_logprob": shifted(rollout.sampling_logprobs).to(device),
+        "tokens": lay(rollout.tokens),
+        "labels": lay(shifted(rollout.tokens)),
+        "mask": lay(shifted(rollout.loss_mask)),
+        "sampling_logprob": lay(shifted(rollout.sampling_logprobs)),
     }
 
 
@@ -227,6 +234,7 @@ class Trainer:
         self.skipped_steps = 0
         self.monitor = monitor
         self.padding_fraction = 0.0  # of the rollout batch as the passes compute it, logged per step
+        self.dp_token_imbalance = 1.0  # of the rollout batch over DP ranks, logged per step
         self.monitor_sequences = monitor_sequences
 
     # --- checkpoint state ----------------------------------------------------------------
@@ -311,16 +319,49 @@ class Trainer:
     def gather_over_dp(self, local: torch.Tensor) -> torch.Tensor:
         return gather_cat(local, self._dp()[2])
 
-    def local_advantages(self, all_rewards: torch.Tensor) -> torch.Tensor:
-        """GRPO advantages over the global batch, sliced to this DP rank's sequences.
+    def advantages(self, batch: dict, all_rewards: torch.Tensor) -> torch.Tensor:
+        """GRPO advantages over the global batch (``all_rewards``, rank-major), at this rank's
+        sequences (``seq_pos``); shaped rewards are gathered from where the passes ran.
 
         Only the last pipeline stage uses them.
         """
-        dp, dp_rank, _ = self._dp()
+        shaped = self.shaped_rewards(batch["reward"], batch)
+        if shaped is not batch["reward"]:
+            all_rewards = gather_at(shaped, batch["seq_pos"], all_rewards.numel(), self._dp()[2])
         adv = compute_advantages(all_rewards, self.cfg.num_samples, self.cfg.advantage_norm,
                                  self.cfg.advantage_eps)
-        n_local = all_rewards.numel() // dp
-        return adv[dp_rank * n_local:(dp_rank + 1) * n_local]
+        return adv[batch["seq_pos"]]
+
+    def sequences(self, rollout, rewards: torch.Tensor) -> dict:
+        """This rank's training batch: the rollout label-aligned, each sequence's reward and its
+        place in the rank-major global batch (``seq_pos``). With --sequence-packing over DP
+        ranks, sequences move between ranks so each mini-batch's tokens are balanced
+        (``training/sequence_balance``)."""
+        dp, dp_rank, group = self._dp()
+        multiple = self._width_multiple()
+        batch = training_batch(rollout, multiple)
+        S = batch["tokens"].shape[0]
+        batch["reward"] = rewards.to(runtime.device())
+        batch["seq_pos"] = torch.arange(dp_rank * S, (dp_rank + 1) * S, device=runtime.device())
+        self.dp_token_imbalance = 1.0
+        if dp == 1:
+            return batch
+        lengths = packing.sequence_lengths(batch["mask"])
+        per_rank = gather_cat(torch.tensor(lengths), group).view(dp, S).tolist()
+        local_mini = self.cfg.mini_batch_size // dp
+        groups = [list(range(m, min(m + local_mini, S))) for m in range(0, S, local_mini)]
+        dest = [[r] * S for r in range(dp)]
+        if self.cfg.sequence_packing:
+            dest = sequence_balance.assign(per_rank, groups)
+            batch = sequence_balance.exchange(batch, per_rank, dest, rank=dp_rank, group=group,
+                                                 width_multiple=multiple)
+        self.dp_token_imbalance = sequence_balance.imbalance(per_rank, dest, groups)
+        return batch
+
+    def _width_multiple(self) -> int:
+        """TP under sequence parallelism, which splits a batch's width over TP ranks; else 1."""
+        sp = get_model_config(self.model_chunks[0]).sequence_parallel
+        return ps.get_tensor_model_parallel_world_size() if sp else 1
 
     def packing_plan(self, batch: dict):
         """With --sequence-packing, the plan that packs ``batch`` under the token budget (the same
@@ -374,11 +415,9 @@ class Trainer:
         rollout, rows, texts = self.rollout(iteration)
         t_rollout = time.monotonic()
         rewards = self.score(texts, rows)
-        batch = self.no_grad_passes(training_batch(rollout))
-        all_rewards = self.gather_over_dp(rewards)
-        shaped = self.shaped_rewards(rewards, batch)
-        shaped_all = all_rewards if shaped is rewards else self.gather_over_dp(shaped)
-        batch["advantages"] = self.local_advantages(shaped_all)
+        all_rewards = self.gather_over_dp(rewards)  # rank-major: sequence seq_pos at seq_pos
+        batch = self.no_grad_passes(self.sequences(rollout, rewards))
+        batch["advantages"] = self.advantages(batch, all_rewards)
         t_passes = time.monotonic()
         mismatch = self.rollout_mismatch(batch)
         stats = self.update(batch)
@@ -419,15 +458,18 @@ class Trainer:
         return reduce_sum(values)  # to every rank, including the logging rank
 
     def update(self, batch: dict) -> dict:
+        """Lambda epochs over the PPO mini-batches; this rank's share of mini-batch m is every
+        sequence it holds that the rank-major global batch places in m (``seq_pos``)."""
         dp, _, _ = self._dp()
+        n_local = self.cfg.num_samples * len(self.local_prompt_indices())
         local_mini = self.cfg.mini_batch_size // dp
-        S = batch["tokens"].shape[0]
+        which = (batch["seq_pos"] % n_local) // local_mini
         totals = dict.fromkeys(LOSS_KEYS, 0.0)
         applied = refused = 0
         for _ in range(self.cfg.ppo_epochs):
-            for start in range(0, S, local_mini):
-                mini = {k: (v[start:start + local_mini] if v is not None else None)
-                        for k, v in batch.items()}
+            for m in range(-(-n_local // local_mini)):
+                rows = torch.nonzero(which == m).flatten()
+                mini = {k: (v[rows] if v is not None else None) for k, v in batch.items()}
                 out = self.train_minibatch(mini)
                 applied += int(out["applied"])
                 refused += int(not out["applied"])
@@ -468,6 +510,8 @@ class Trainer:
             "max_memory_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,  # 0 in CPU mode
             # share of the token slots the passes compute that are padding (this rank's rollout batch)
             "padding_frac": self.padding_fraction,
+            # per mini-batch, the busiest DP rank's tokens over the mean; the worst (1: balanced)
+            "dp_token_imbalance": self.dp_token_imbalance,
             "skipped": stats["skipped"],
             "updates_refused": stats["updates_refused"],
         }

@@ -15,9 +15,16 @@ import torch
 import torch.distributed as dist
 
 
+WIDTH_MULTIPLE = 8
+"""Batch widths are a multiple of this (tensor-parallel sizes up to 8 divide it, as sequence
+parallelism needs), and do not depend on the parallel layout."""
+
+
 @dataclass
 class RolloutBatch:
-    """``S = len(prompts) * n`` sequences, right-padded to ``L``.
+    """``S = len(prompts) * n`` sequences, right-padded to ``L``: the batch's longest sequence
+    rounded up to :data:`WIDTH_MULTIPLE` (at most ``--seq-length``), never to ``--seq-length``
+    itself, so short batches carry no padding up to the configured maximum.
 
     * ``tokens`` ``[S, L]``: prompt, then response, then padding.
     * ``loss_mask`` ``[S, L]``: 1 where the policy produced the token (0 on prompt,
@@ -59,13 +66,14 @@ def build_rollout_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Se
                         n: int) -> RolloutBatch:
     """Pack prompt-major (prompt i's n responses are rows i*n .. i*n+n-1) results."""
     S = len(responses)
-    tokens = torch.full((S, seq_length), pad_id, dtype=torch.long)
-    mask = torch.zeros((S, seq_length))
-    lps = torch.zeros((S, seq_length))
+    ends = [len(prompts[s // n]) + len(r) for s, r in enumerate(responses)]
+    width = min(seq_length, -(-max(ends, default=1) // WIDTH_MULTIPLE) * WIDTH_MULTIPLE)
+    tokens = torch.full((S, width), pad_id, dtype=torch.long)
+    mask = torch.zeros((S, width))
+    lps = torch.zeros((S, width))
     plens = torch.zeros(S, dtype=torch.long)
     for s, (resp, lp) in enumerate(zip(responses, logprobs)):
-        prompt = prompts[s // n]
-        end = len(prompt) + len(resp)
+        prompt, end = prompts[s // n], ends[s]
         if end > seq_length:
             raise ValueError(f"sequence of {end} tokens exceeds --seq-length {seq_length}")
         tokens[s, :len(prompt)] = torch.as_tensor(prompt)

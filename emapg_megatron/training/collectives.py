@@ -40,6 +40,25 @@ def gather_cat(local: torch.Tensor, group) -> torch.Tensor:
     return torch.cat(parts)
 
 
+def gather_ragged(local: torch.Tensor, group) -> list[torch.Tensor]:
+    """Every rank's 1-D ``local`` (lengths may differ), in rank order: counts first, then one
+    gather padded to the longest."""
+    local = local.to(runtime.device())
+    counts = gather_cat(torch.tensor([local.numel()], device=runtime.device()), group).tolist()
+    padded = torch.cat([local, local.new_zeros(max(counts) - local.numel())])
+    every = gather_cat(padded, group).view(len(counts), -1)
+    return [row[:n] for row, n in zip(every, counts)]
+
+
+def gather_at(values: torch.Tensor, positions: torch.Tensor, total: int, group) -> torch.Tensor:
+    """The ``[total]`` vector whose entries ``positions`` (disjoint over ``group``, covering it)
+    each rank holds as ``values``: zeros elsewhere, then a sum, which is exact."""
+    full = torch.zeros(total, dtype=values.dtype, device=runtime.device())
+    full[positions.to(runtime.device())] = values.to(runtime.device())
+    dist.all_reduce(full, group=group)
+    return full
+
+
 def reduce_max(value: float, group=None) -> float:
     """The largest ``value`` over ``group`` (NaN counts as +inf)."""
     v = torch.tensor([value if value == value else float("inf")], dtype=torch.float64,

@@ -30,7 +30,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 
 from emapg_megatron.algo import policy_loss
 from emapg_megatron.models.gpt import has_local_attention
-from emapg_megatron.training.collectives import gather_cat
+from emapg_megatron.training.collectives import gather_ragged
 from emapg_megatron.training.model_and_optimizer import unwrap
 
 ROW_MULTIPLE = 8
@@ -128,15 +128,16 @@ def row_tokens(loads: list[int], multiple: int, uniform: bool) -> list[int]:
 def plan(batch: dict, max_tokens: int, *, lengths: list[int] | None = None) -> PackPlan:
     """This rank's plan for ``batch`` (this DP rank's padded batch; collective over DP).
 
-    Every DP rank must hold the same number of sequences. Rows are padded to one length under
-    pipeline parallelism, where the schedule sends one activation shape.
+    DP ranks may hold different numbers of sequences and pass different budgets: the plan uses
+    the largest budget, so every rank computes the same plan. Rows are padded to one length
+    under pipeline parallelism, where the schedule sends one activation shape.
     """
     S, L = batch["tokens"].shape
     lengths = sequence_lengths(batch["mask"]) if lengths is None else list(lengths)
-    dp = ps.get_data_parallel_world_size()
-    every = gather_cat(torch.tensor(lengths, dtype=torch.int64), ps.get_data_parallel_group()).tolist()
-    per_rank = [every[r * S:(r + 1) * S] for r in range(dp)]
-    plans = plan_microbatches(per_rank, max_tokens)
+    per_rank = [t.tolist() for t in gather_ragged(torch.tensor([max_tokens, *lengths], dtype=torch.int64),
+                                                  ps.get_data_parallel_group())]
+    budget, per_rank = max(r[0] for r in per_rank), [r[1:] for r in per_rank]
+    plans = plan_microbatches(per_rank, budget)
     loads = [sum(ls[i] for i in g) for ls, p in zip(per_rank, plans) for g in p]
     multiple = ROW_MULTIPLE * ps.get_tensor_model_parallel_world_size()
     uniform = ps.get_pipeline_model_parallel_world_size() > 1

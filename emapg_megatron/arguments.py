@@ -129,7 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
       help="pack whole sequences into token rows for the old, anchor and training passes, so no "
            "compute goes to padding: Transformer Engine attention gets PackedSeqParams (THD, "
            "cu_seqlens), the local spec a block-diagonal causal mask with per-sequence positions "
-           "(chosen automatically); every loss normalisation stays that of the padded batch")
+           "(chosen automatically); with DP > 1, sequences move between DP ranks within their PPO "
+           "mini-batch so every rank computes about the same tokens (logged as dp_token_imbalance); "
+           "every loss normalisation stays that of the padded batch")
     a("--max-tokens-per-microbatch", type=int, default=None,
       help="--sequence-packing: token budget of one packed micro-batch (a longer sequence gets "
            "its own); micro-batch counts are equal on every DP rank and loads balanced. Default: "

@@ -194,7 +194,9 @@ class StepConfig:
     sequence_packing: bool = False
     """Pack whole sequences into token rows (training/packing): no compute on padding."""
     max_tokens_per_microbatch: int | None = None
-    """Token budget of a packed micro-batch (default: micro_batch_size x the batch's width)."""
+    """Token budget of a packed micro-batch (default: micro_batch_size x seq_length)."""
+    seq_length: int = 0
+    """Longest sequence (prompt + response); 0: the widest DP rank's batch."""
 
     def validate(self) -> None:
         """The flags of the step, checked once (raises ConfigError with one line)."""
@@ -368,8 +370,8 @@ class Trainer:
         number of micro-batches on every DP rank; a collective over DP), else None."""
         if not self.cfg.sequence_packing:
             return None
-        budget = self.cfg.max_tokens_per_microbatch or self.cfg.micro_batch_size * batch["tokens"].shape[1]
-        return packing.plan(batch, budget)
+        width = self.cfg.seq_length or batch["tokens"].shape[1]  # plan() takes the largest over DP
+        return packing.plan(batch, self.cfg.max_tokens_per_microbatch or self.cfg.micro_batch_size * width)
 
     def microbatches(self, batch: dict, plan):
         """(micro-batches, merge of their per-token outputs back to ``[S, L]``): fixed-size padded

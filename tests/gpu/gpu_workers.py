@@ -371,3 +371,21 @@ def te_spec_job(hf_dir: str, tokens: torch.Tensor) -> dict:
             "loss": loss, "grad_norm": norm, "step_ok": ok,
         }
     return out
+
+
+def _on_host(x):
+    """``x`` with every tensor (in dicts, lists and tuples) moved to the CPU."""
+    if isinstance(x, torch.Tensor):
+        return x.cpu()
+    if isinstance(x, dict):
+        return {k: _on_host(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_on_host(v) for v in x)
+    return x
+
+
+def te_packing_job(*args) -> dict:
+    """``packing_workers.packed_vs_padded`` on the GPU (the TE spec when TE imports), on the host."""
+    from packing_workers import packed_vs_padded
+
+    return _on_host(packed_vs_padded(*args))

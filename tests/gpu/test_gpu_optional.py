@@ -34,6 +34,33 @@ def test_transformer_engine_spec_matches_hugging_face_logits(tmp_path):
         assert res["step_ok"] and res["grad_norm"] > 0 and 0 < res["loss"] < 50, res
 
 
+def test_transformer_engine_thd_packing_matches_padded():
+    """--sequence-packing on the TE spec takes Megatron's THD path (PackedSeqParams, cu_seqlens)
+    into TE's fused attention: passes, losses and gradients of a long-tailed batch equal the
+    padded run's within bf16 rounding (the CPU suite checks the same plumbing exactly in fp32
+    with a reference attention, tests/training/test_packing_thd.py)."""
+    require_te()
+    from gpu_workers import te_packing_job
+    from packing_workers import AGG_MODES
+    from test_packing import LENGTHS
+
+    (out,) = run_distributed(te_packing_job, 1, device="cuda", timeout=600,
+                             args=(LENGTHS, 48, 40, "topk-reverse", False, True))
+
+    def rel(a, b):
+        return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+    pad, pk = out["padded_passes"], out["packed_passes"]
+    m = pad["mask"].bool()
+    for k in ("old_logprob", "ref_logprob"):
+        assert rel(pk[k][m], pad[k][m]) <= 2e-2, k
+    for agg in AGG_MODES:
+        (pad_sums, pad_grads), (pk_sums, pk_grads) = out[agg]["padded"], out[agg]["packed"]
+        assert abs(pk_sums["pg_loss"] - pad_sums["pg_loss"]) <= 2e-2 * abs(pad_sums["pg_loss"]) + 1e-3, agg
+        worst = max(rel(pk_grads[n], g) for n, g in pad_grads.items() if g.abs().sum() > 0)
+        assert worst <= 5e-2, (agg, worst)
+
+
 def test_fp8_hybrid_trainer_steps(tmp_path):
     """--transformer-impl transformer_engine --fp8-format hybrid (delayed scaling): the model is on
     the TE spec with fp8 set, FP8 GEMMs

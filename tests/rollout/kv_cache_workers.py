@@ -77,9 +77,9 @@ def _generate(sampler, prompts, seq_index, temperature=1.0, top_p=1.0):
             "rows_fed": list(sampler.rows_fed)}
 
 
-def _episodes(sampler, prompts, seq_index, cut: bool):
+def _episodes(sampler, prompts, seq_index, cut: bool, n: int = N):
     envs = [CountingEnv(i, cut=cut and i % 3 == 1) for i in seq_index]
-    batch, _ = sampler.generate_episodes(prompts, N, envs, tokenizer=None, temperature=1.0, top_p=1.0,
+    batch, _ = sampler.generate_episodes(prompts, n, envs, tokenizer=None, temperature=1.0, top_p=1.0,
                                          max_new_tokens=MAX_NEW, rng_step=5, seq_index=seq_index)
     return {"tokens": batch.tokens, "loss_mask": batch.loss_mask, "logprobs": batch.sampling_logprobs,
             "rows_fed": list(sampler.rows_fed)}
@@ -99,7 +99,21 @@ def sample_both_paths(ckpt: str, save: bool):
         sampler.eos_id = None
         out[name + "_episodes"] = _episodes(sampler, prompts, seq_index, cut=False)
         out[name + "_episodes_cut"] = _episodes(sampler, prompts, seq_index, cut=True)
+        # one sequence: each observation (with the turn's last token) is a chunk of history
+        out[name + "_one_episode"] = _episodes(sampler, prompts[1:2], seq_index[2:3], cut=False, n=1)
     if save:
         out["dp2"] = [_generate(_sampler(model, True), *_share(2, r)) for r in range(2)]
     out["training_mode_kept"] = model.training
+    return out
+
+
+def sample_both_paths_te_like(ckpt: str):
+    """:func:`sample_both_paths` on a model whose core attention behaves as Transformer Engine's
+    (``te_like_attention``): the cached path then feeds history one token at a time after the
+    prefill, as it does under TE."""
+    from te_like_attention import TELikeAttention, use_te_like_attention
+
+    use_te_like_attention()
+    out = sample_both_paths(ckpt, False)
+    out["attention_calls"] = dict(TELikeAttention.calls)
     return out

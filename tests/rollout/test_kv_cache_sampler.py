@@ -7,12 +7,12 @@ and a finished sequence must leave the batch (rows fed per cached forward).
 
 import pytest
 import torch
-from kv_cache_workers import EOS, MAX_NEW, N, PROMPTS, sample_both_paths
+from kv_cache_workers import EOS, MAX_NEW, N, PROMPTS, sample_both_paths, sample_both_paths_te_like
 
 from emapg_megatron.multiprocess import run_distributed
 
 ATOL = 1e-5
-RUNS = ["", "_top_p", "_episodes", "_episodes_cut"]
+RUNS = ["", "_top_p", "_episodes", "_episodes_cut", "_one_episode"]
 
 
 @pytest.fixture(scope="module")
@@ -22,6 +22,7 @@ def layouts(tmp_path_factory):
     out = {"tp1": run_distributed(sample_both_paths, 1, args=(ckpt, True))}
     out["tp2"] = run_distributed(sample_both_paths, 2, tp=2, args=(ckpt, False))
     out["pp2"] = run_distributed(sample_both_paths, 2, pp=2, args=(ckpt, False))
+    out["te"] = run_distributed(sample_both_paths_te_like, 1, args=(ckpt,))
     return out
 
 
@@ -33,14 +34,14 @@ def _same(a: dict, b: dict) -> None:
     torch.testing.assert_close(a["logprobs"], b["logprobs"], atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("layout", ["tp1", "tp2", "pp2"])
+@pytest.mark.parametrize("layout", ["tp1", "tp2", "pp2", "te"])
 @pytest.mark.parametrize("run", RUNS)
 def test_cached_path_samples_what_the_cache_free_path_samples(layouts, layout, run):
     for rank in layouts[layout]:
         _same(rank["cached" + run], rank["reference" + run])
 
 
-@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "te"])
 @pytest.mark.parametrize("run", RUNS)
 def test_cached_samples_do_not_depend_on_the_model_parallel_layout(layouts, layout, run):
     for rank in layouts[layout]:  # every rank of the model-parallel group holds the batch
@@ -77,3 +78,16 @@ def test_episodes_feed_observations_into_the_cache_and_restart_only_on_rewrites(
     cut = rank["cached_episodes_cut"]["rows_fed"]
     assert any(b > a for a, b in zip(cut, cut[1:]))  # a second cache starts
     assert rank["training_mode_kept"]
+
+
+def test_te_route_feeds_history_one_token_at_a_time_after_the_prefill(layouts):
+    """With Transformer Engine's attention (a CPU stand-in that, like TE, drops an explicit mask:
+    Megatron gives it no mask once the cache holds tokens), chunks after the prefill would see
+    later tokens, so the cached path feeds them one at a time: more forwards than the local
+    spec's chunks, and the same samples (tests above). The stand-in refuses unmasked attention
+    over several new tokens, the error this avoids."""
+    (te,), local = layouts["te"], layouts["tp1"][0]
+    assert te["attention_calls"]["no_mask"] > 0 and te["attention_calls"]["causal"] > 0
+    assert te["cached"]["rows_fed"] == local["cached"]["rows_fed"]  # a decoding row: width 1 anyway
+    one_te, one_local = te["cached_one_episode"]["rows_fed"], local["cached_one_episode"]["rows_fed"]
+    assert len(one_te) > len(one_local)  # the local spec feeds each observation as one chunk

@@ -5,7 +5,8 @@
 
 Sequence lengths are log-normal around ``--median`` and cut at ``--cap`` x the median. The padded
 mode splits the batch into ``--micro-batch-size`` rows padded to the batch's longest sequence (what
-the trainer runs today); the packed mode plans token-budget micro-batches (``--max-tokens``) and
+the trainer runs without packing); the packed mode plans token-budget micro-batches (``--max-tokens``,
+by default the token slots of one padded micro-batch, as in the trainer) and
 packs them (``training.packing``). Both run forward + backward of a per-token policy loss through
 the vocab-parallel fused op (``training.schedule.forward_backward``), as the update phase does.
 One JSON line per mode: ``padding_fraction`` (computed slots that hold no sequence token) and
@@ -100,7 +101,7 @@ def bench(a: dict) -> list[dict]:
                       max_position_embeddings=max(lengths) + 8)
     chunks, opt = build_model_and_optimizer(cfg, OptimConfig(), PrecisionConfig(bf16=a["bf16"]))
     batch = make_batch(lengths, vocab)
-    plan = packing.plan(batch, a["max_tokens"] or max(lengths), lengths=lengths)
+    plan = packing.plan(batch, a["max_tokens"] or a["micro_batch_size"] * max(lengths), lengths=lengths)
     S, L = batch["tokens"].shape
     modes = {"padded": (split_microbatches(batch, a["micro_batch_size"]), 1.0 - sum(lengths) / (S * L)),
              "packed": (packing.pack(batch, plan), plan.padding_fraction())}
@@ -123,7 +124,10 @@ def main(argv=None) -> None:
     p.add_argument("--sequences", type=int, default=None, help="default: 32 (CPU), 128 (GPU)")
     p.add_argument("--median", type=int, default=None, help="median length; default: 24 (CPU), 256 (GPU)")
     p.add_argument("--cap", type=float, default=16.0, help="longest length, x the median")
-    p.add_argument("--max-tokens", type=int, default=None, help="packed token budget (default: the longest)")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="packed token budget; default: --micro-batch-size x the longest sequence, the "
+                        "token slots of one padded micro-batch and the trainer's default "
+                        "(--micro-batch-size x --seq-length)")
     p.add_argument("--micro-batch-size", type=int, default=4, help="padded mode: sequences per micro-batch")
     p.add_argument("--bf16", action="store_true", help="bf16 model (GPU)")
     p.add_argument("--iters", type=int, default=3)

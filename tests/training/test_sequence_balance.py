@@ -104,3 +104,19 @@ def test_exchange_delivers_each_sequence_to_its_rank_and_nothing_else():
             assert not got["tokens"][k, n:].any() and not got["mask"][k, n:].any()  # no junk
             assert got["reward"][k] == src["reward"][i] and got["seq_pos"][k] == src["seq_pos"][i]
     assert sorted(int(p) for g in results for p in g["seq_pos"]) == list(range(12))
+
+
+def test_bench_dp_balance_prints_one_even_line_per_dp_size(capsys):
+    import json
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tools"))
+    import bench_dp_balance
+
+    bench_dp_balance.main(["--json", "--dp", "2,4", "--seqs-per-rank", "32"])
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["dp"] for r in rows] == [2, 4]
+    for r in rows:
+        assert r["imbalance_after"] < r["imbalance_before"] and r["imbalance_after"] < 1.05
+        assert 0 < r["exchange_bytes"] < r["all_gather_padded_bytes"]

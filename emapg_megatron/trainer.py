@@ -356,7 +356,7 @@ class Trainer:
         if self.cfg.sequence_packing:
             dest = sequence_balance.assign(per_rank, groups)
             batch = sequence_balance.exchange(batch, per_rank, dest, rank=dp_rank, group=group,
-                                                 width_multiple=multiple)
+                                              width_multiple=multiple)
         self.dp_token_imbalance = sequence_balance.imbalance(per_rank, dest, groups)
         return batch
 

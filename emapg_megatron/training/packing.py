@@ -149,8 +149,9 @@ def plan(batch: dict, max_tokens: int, *, lengths: list[int] | None = None) -> P
 
 
 # --- packing and unpacking ---------------------------------------------------------------------
-def _token_index(layout: Layout, L: int, device) -> torch.Tensor:
-    """Flat ``[S * L]`` indices of the micro-batch's tokens, in packed order."""
+def token_index(layout: Layout, L: int, device) -> torch.Tensor:
+    """Flat indices into ``[S * L]`` of the first ``layout.lengths[k]`` entries of each row
+    ``layout.rows[k]``, in that order: a micro-batch's tokens in packed order."""
     parts = [r * L + torch.arange(n, device=device) for r, n in zip(layout.rows, layout.lengths)]
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long, device=device)
 
@@ -166,7 +167,7 @@ def pack_one(batch: dict, layout: Layout, T: int) -> dict:
     (padding is a last segment of its own) and the ``packing`` layout."""
     S, L = batch["tokens"].shape
     device = batch["tokens"].device
-    idx = _token_index(layout, L, device)
+    idx = token_index(layout, L, device)
     rows = torch.tensor(layout.rows, dtype=torch.long, device=device)
     mb = {}
     for k, v in batch.items():
@@ -201,7 +202,7 @@ def unpack(outputs: list[dict], microbatches: list[dict], shape: tuple[int, int]
         full = first.new_zeros(S * L, *first.shape[2:])
         for o, mb in zip(outputs, microbatches):
             layout = mb["packing"]
-            full[_token_index(layout, L, full.device)] = o[k][0, :layout.used]
+            full[token_index(layout, L, full.device)] = o[k][0, :layout.used]
         out[k] = full.view(S, L, *first.shape[2:])
     return out
 
@@ -217,7 +218,7 @@ def to_sequences(mb: dict, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     if layout is None:
         return tensors
     width = max(layout.lengths, default=1)
-    dst = _token_index(Layout(list(range(len(layout.rows))), layout.lengths), width, mb["tokens"].device)
+    dst = token_index(Layout(list(range(len(layout.rows))), layout.lengths), width, mb["tokens"].device)
 
     def one(t):
         if t is None:

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from emapg_megatron import runtime
+from emapg_megatron.training.packing import Layout, token_index
 
 
 # --- the assignment (pure) ---------------------------------------------------------------------
@@ -79,12 +80,6 @@ def received(dest: list[list[int]], rank: int) -> list[tuple[int, int]]:
 
 
 # --- the exchange ------------------------------------------------------------------------------
-def _flat_index(rows: list[int], lengths: list[int], width: int, device) -> torch.Tensor:
-    """Flat ``[rows * width]`` indices of the first ``lengths[k]`` entries of each row ``rows[k]``."""
-    parts = [r * width + torch.arange(n, device=device) for r, n in zip(rows, lengths)]
-    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long, device=device)
-
-
 def exchange(batch: dict, lengths_by_rank: list[list[int]], dest: list[list[int]],
              *, rank: int, group, width_multiple: int = 1) -> dict:
     """Move ``batch``'s sequences to their ``dest`` ranks (collective over ``group``).
@@ -101,8 +96,8 @@ def exchange(batch: dict, lengths_by_rank: list[list[int]], dest: list[list[int]
     got = received(dest, rank)  # by source
     got_len = [lengths_by_rank[r][i] for r, i in got]
     width = -(-max(got_len, default=1) // width_multiple) * width_multiple
-    send_idx = _flat_index(sent, [mine[i] for i in sent], L, device)
-    recv_idx = _flat_index(list(range(len(got))), got_len, width, device)
+    send_idx = token_index(Layout(sent, [mine[i] for i in sent]), L, device)
+    recv_idx = token_index(Layout(list(range(len(got))), got_len), width, device)
     seq_splits = ([sum(d == k for d in dest[rank]) for k in range(len(dest))],
                   [sum(r == k for r, _ in got) for k in range(len(dest))])
     tok_splits = ([sum(mine[i] for i in range(S) if dest[rank][i] == k) for k in range(len(dest))],

@@ -7,10 +7,9 @@ plan, ``cu_seqlens`` with the padding as a segment, RoPE restarted per segment b
 the same comparison on TE (tests/gpu)."""
 
 import pytest
-import torch
 from packing_thd_workers import thd_packed_vs_padded
 from packing_workers import AGG_MODES
-from test_packing import LENGTHS, RTOL, rel
+from test_packing import LENGTHS, assert_passes_equal, assert_update_equal
 
 from emapg_megatron.multiprocess import run_distributed
 
@@ -34,20 +33,9 @@ def test_the_thd_path_ran(thd):
 
 
 def test_thd_no_grad_passes_equal(thd):
-    for o in (o for o in thd if o["last_stage"]):
-        pad, pk = o["padded_passes"], o["packed_passes"]
-        m = pad["mask"].bool()
-        for k in ("old_logprob", "ref_logprob"):
-            assert rel(pk[k][m], pad[k][m]) <= RTOL, k
-        assert torch.equal(pk["topk_index"][m], pad["topk_index"][m])
+    assert_passes_equal(thd)
 
 
 @pytest.mark.parametrize("agg", AGG_MODES)
 def test_thd_loss_metrics_and_grads_equal(thd, agg):
-    for o in thd:
-        (pad_sums, pad_grads), (pk_sums, pk_grads) = o[agg]["padded"], o[agg]["packed"]
-        for k, v in pad_sums.items():  # ATOL: the KL sums, 0 here (see above)
-            assert abs(pk_sums[k] - v) <= RTOL * abs(v) + ATOL, (agg, k, pk_sums[k], v)
-        for name, g in pad_grads.items():
-            assert rel(pk_grads[name], g) <= RTOL, (agg, name, rel(pk_grads[name], g))
-        assert any(g.abs().sum() > 0 for g in pk_grads.values())
+    assert_update_equal(thd, agg, atol=ATOL)  # ATOL: the KL sums, 0 here (see above)

@@ -96,8 +96,8 @@ class CachedForward:
         logits = self.wrapper.forward_pass_with_pipeline_parallel_small_input_batch(inputs)
         return None if logits is None else logits[:, -1]
 
-    def keep_rows(self, keep: list[int], active: int) -> None:
-        """Move cache rows ``keep`` (of the ``active`` live ones) to the front, in order.
+    def keep_rows(self, keep: list[int]) -> None:
+        """Move cache rows ``keep`` (live rows, ascending) to the front, in order.
 
         Megatron's ``swap_key_value_dict`` permutes the whole static cache (every position of
         every row) at each finishing step; only the live rows' filled positions are ever read
@@ -141,7 +141,7 @@ def decode_lockstep(model, streams: list[Stream], max_len: int,
                 status = _advance_due(active, fed, logits, sample, advance)
                 restart += [s for s, st in zip(active, status) if st == RESTART]
                 keep = [i for i, st in enumerate(status) if st == CONTINUE]
-                forward.keep_rows(keep, len(active))
+                forward.keep_rows(keep)
                 active = [active[i] for i in keep]
     finally:
         model.train(was_training)

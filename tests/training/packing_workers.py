@@ -100,9 +100,10 @@ def packed_microbatches(max_tokens: int, plans: list):
 
 
 def packed_vs_padded(lengths: list[int], L: int, max_tokens: int, kl_type: str = "topk-reverse",
-                     sequence_parallel: bool = False, bf16: bool = False) -> dict:
+                     sequence_parallel: bool = False, bf16: bool = False, shape: dict | None = None) -> dict:
     """Old/anchor outputs, loss, metrics and gradients of one batch, padded and packed, for every
-    aggregation mode; plus the packing plans (micro-batch counts, rows, padding)."""
+    aggregation mode; plus the packing plans (micro-batch counts, rows, padding). ``shape``:
+    model config overrides (tied embeddings, qk-layernorm, qkv bias, ...)."""
     from megatron.core import parallel_state as ps
 
     from emapg_megatron.models.gpt import PrecisionConfig
@@ -111,7 +112,7 @@ def packed_vs_padded(lengths: list[int], L: int, max_tokens: int, kl_type: str =
         build_model_and_optimizer,
     )
 
-    cfg = tiny_config(max_position_embeddings=256)
+    cfg = tiny_config(max_position_embeddings=256, **(shape or {}))
     chunks, opt = build_model_and_optimizer(cfg, OptimConfig(lr=1e-3), PrecisionConfig(bf16=bf16),
                                             sequence_parallel=sequence_parallel)
     passes = PolicyPasses(KLConfig(loss_type=kl_type, k=4), LossConfig(kl_coef=0.1, entropy_coef=0.01),

@@ -1,6 +1,6 @@
 """Packing through Megatron's THD path (``PackedSeqParams``), as with the Transformer Engine
-spec, at TP=2 x PP=2 with sequence parallelism: the passes, every loss aggregation and the
-gradients equal the padded run. Transformer Engine's kernel needs a GPU, so a reference core
+spec, at TP=2 x PP=2 with sequence parallelism on a tied, qk-layernorm, GQA-with-bias model:
+the passes, every loss aggregation and the gradients equal the padded run. Transformer Engine's kernel needs a GPU, so a reference core
 attention computes what it computes with ``qkv_format="thd"``; everything around it (the
 plan, ``cu_seqlens`` with the padding as a segment, RoPE restarted per segment by Megatron's
 ``_apply_rotary_pos_emb_thd``, no ``rope_at`` hook) is the production path. The GPU suite runs
@@ -20,12 +20,14 @@ pytestmark = pytest.mark.slow
 # attention over a segment and over the padded row reduce in different orders (about 1e-7 per
 # token in fp32, summed over ~100 tokens).
 ATOL = 1e-6
+# The shape users run (Qwen2.5/Qwen3-like): tied embeddings, qk-layernorm, GQA with qkv bias.
+QWEN_SHAPE = {"tie_word_embeddings": True, "qk_layernorm": True, "add_qkv_bias": True}
 
 
 @pytest.fixture(scope="module")
 def thd():
-    return run_distributed(thd_packed_vs_padded, 4, tp=2, pp=2,
-                           args=(LENGTHS, 48, 40, "topk-reverse", True), timeout=240)
+    return run_distributed(thd_packed_vs_padded, 4, tp=2, pp=2, timeout=240,
+                           args=(LENGTHS, 48, 40, "topk-reverse", True, False, QWEN_SHAPE))
 
 
 def test_the_thd_path_ran(thd):

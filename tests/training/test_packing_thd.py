@@ -1,10 +1,11 @@
 """Packing through Megatron's THD path (``PackedSeqParams``), as with the Transformer Engine
 spec, at TP=2 x PP=2 with sequence parallelism on a tied, qk-layernorm, GQA-with-bias model:
-the passes, every loss aggregation and the gradients equal the padded run. Transformer Engine's kernel needs a GPU, so a reference core
-attention computes what it computes with ``qkv_format="thd"``; everything around it (the
-plan, ``cu_seqlens`` with the padding as a segment, RoPE restarted per segment by Megatron's
-``_apply_rotary_pos_emb_thd``, no ``rope_at`` hook) is the production path. The GPU suite runs
-the same comparison on TE (tests/gpu)."""
+the passes, every loss aggregation and the gradients equal the padded run. Transformer
+Engine's kernel needs a GPU, so a stand-in (tests/te_like_attention.py) computes what it
+computes with ``qkv_format="thd"``; everything around it (the plan, ``cu_seqlens`` with the
+padding as a segment, RoPE restarted per segment by Megatron's ``_apply_rotary_pos_emb_thd``,
+no ``rope_at`` hook) is the production path. The GPU suite runs the same comparison on TE
+(tests/gpu)."""
 
 import pytest
 from packing_thd_workers import thd_packed_vs_padded

@@ -156,6 +156,11 @@ def build_parser() -> argparse.ArgumentParser:
       help="built-in sampler: decode through Megatron-Core's KV cache, feeding only new tokens "
            "(finished sequences leave the batch); --no-rollout-kv-cache recomputes the whole "
            "sequence per token (the reference; also what sequence parallelism falls back to)")
+    a("--inference-max-requests", type=int, default=None,
+      help="built-in sampler with the KV cache: at most this many sequences share one cache "
+           "(Megatron-LM's flag); the rest of a rank's sequences follow in later waves. Megatron's "
+           "static cache is allocated whole, every position up to --seq-length, so this bounds "
+           "its memory. Default: as many as fit in 80%% of the free GPU memory (all on CPU)")
     a("--rollout-batch-size", type=int, default=8, help="prompts per trainer step (B)")
     a("--num-samples-per-prompt", type=int, default=8, help="responses per prompt (N, the GRPO group)")
     a("--max-new-tokens", type=int, default=16, help="response length limit")
@@ -350,6 +355,8 @@ def validate(args: argparse.Namespace, world_size: int, cfg: ComponentConfigs | 
     _check(args.rollout_engine != "vllm" or args.load_hf is not None,
            "--rollout-engine vllm needs --load-hf (vLLM reads the tokenizer and config from it)")
     _check(args.max_turns >= 1, "--max-turns must be >= 1")
+    _check(args.inference_max_requests is None or args.inference_max_requests >= 1,
+           f"--inference-max-requests must be >= 1 (got {args.inference_max_requests})")
     _check(args.rollout_is == "none" or (args.temperature == 1.0 and args.top_p == 1.0),
            "--rollout-is compares the engine's log-probs with the trainer's, which are taken at "
            "temperature 1 without top-p: it needs --temperature 1 --top-p 1")

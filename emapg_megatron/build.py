@@ -176,7 +176,8 @@ def build_rollout_engine(args, chunks, model_cfg, tokenizer):
     return MegatronSampler(chunks, vocab_size=model_cfg.vocab_size,
                            eos_id=getattr(tokenizer, "eos_token_id", None), pad_id=pad_id,
                            seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
-                           seed=args.seed, tokenizer=tokenizer, kv_cache=args.rollout_kv_cache)
+                           seed=args.seed, tokenizer=tokenizer, kv_cache=args.rollout_kv_cache,
+                           max_requests=args.inference_max_requests)
 
 
 def load_pretrained(chunks, optimizer, path: str) -> None:

@@ -17,6 +17,11 @@ it at a non-zero offset), so under TE they go one token at a time.
 
 A row whose sequence is finished leaves the batch at once: the live rows' cache entries move
 to the front of Megatron's cache, in place, so only they are fed.
+
+The static cache is allocated whole (every row, every position up to ``--seq-length``), so a
+rank's sequences go through it in waves of :func:`cache_rows`: ``--inference-max-requests``
+(Megatron-LM's flag) when given, else as many as fit in free GPU memory (all of them on CPU).
+Waves change nothing sampled: a sequence's uniforms are keyed by its global index.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
 from megatron.core.inference.contexts import StaticInferenceContext
 from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import (
     GPTInferenceWrapper,
@@ -34,9 +41,12 @@ from megatron.core.inference.model_inference_wrappers.inference_wrapper_config i
 )
 from megatron.core.utils import get_attr_wrapped_model, get_model_config
 
-from emapg_megatron import runtime
+from emapg_megatron import cpu_device, runtime
 from emapg_megatron.models.gpt import has_local_attention
 from emapg_megatron.rollout.episodes import Turn
+
+#: Share of the free GPU memory the cache of one wave may take (the rest: activations, logits).
+CACHE_MEMORY_FRACTION = 0.8
 
 # What an ``advance`` callback says about a row after its sampled token.
 CONTINUE, DONE, RESTART = "continue", "done", "restart"
@@ -62,6 +72,56 @@ def cache_supported(model_chunks) -> str | None:
     if get_model_config(model_chunks[0]).sequence_parallel:
         return "sequence parallelism (Megatron's static inference does not support it)"
     return None
+
+
+def cache_bytes_per_row(model, max_len: int) -> int:
+    """Bytes of Megatron's static cache per sequence on this rank: keys and values of this
+    stage's layers at ``max_len`` positions, as ``Attention._allocate_memory`` sizes them."""
+    cfg = get_model_config(model)
+    layers = len(get_attr_wrapped_model(model, "decoder").layers)
+    groups = (cfg.num_query_groups or cfg.num_attention_heads) // ps.get_tensor_model_parallel_world_size()
+    itemsize = torch.empty((), dtype=cfg.params_dtype).element_size()
+    return 2 * layers * max_len * groups * cfg.kv_channels * itemsize
+
+
+def rows_per_cache(rows: int, bytes_per_row: int, max_requests: int | None = None,
+                   free_bytes: int | None = None) -> int:
+    """Sequences per cache: ``max_requests`` when set, else as many as fit in
+    :data:`CACHE_MEMORY_FRACTION` of ``free_bytes`` (None: no limit), never more than ``rows``."""
+    rows = max(rows, 1)
+    if max_requests:
+        return min(rows, max_requests)
+    if free_bytes is None:
+        return rows
+    fit = int(free_bytes * CACHE_MEMORY_FRACTION) // bytes_per_row
+    if fit < 1:
+        raise runtime.ConfigError(
+            f"the KV cache of one sequence ({bytes_per_row / 2**30:.2f} GiB up to --seq-length) does "
+            f"not fit in {CACHE_MEMORY_FRACTION:.0%} of the free GPU memory ({free_bytes / 2**30:.2f} "
+            f"GiB): lower --seq-length, add tensor or pipeline parallelism, or sample with "
+            f"--no-rollout-kv-cache or --rollout-engine vllm")
+    return min(rows, fit)
+
+
+def free_device_bytes() -> int | None:
+    """Free GPU memory, counting what PyTorch's allocator holds unused; None on CPU."""
+    if cpu_device.installed() or not torch.cuda.is_available():
+        return None
+    free, _ = torch.cuda.mem_get_info()
+    return free + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+
+
+def cache_rows(model, rows: int, max_len: int, max_requests: int | None = None) -> int:
+    """:func:`rows_per_cache` for this rank, the same on every rank of its model-parallel group
+    (they run the same forwards), so the smallest fit over the group when sized by memory."""
+    free = None if max_requests else free_device_bytes()
+    size = rows_per_cache(rows, cache_bytes_per_row(model, max_len), max_requests, free)
+    group = ps.get_model_parallel_group()
+    if free is not None and dist.get_world_size(group) > 1:
+        t = torch.tensor([size], device=runtime.device())
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+        size = int(t.item())
+    return size
 
 
 class CachedForward:

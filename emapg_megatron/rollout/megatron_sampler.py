@@ -57,7 +57,7 @@ def sample_from_logits(logits: torch.Tensor, uniforms: torch.Tensor, temperature
 class MegatronSampler:
     def __init__(self, model_chunks, *, vocab_size: int, eos_id: int | None, pad_id: int,
                  seq_length: int, micro_batch_size: int, seed: int, tokenizer=None,
-                 kv_cache: bool = True):
+                 kv_cache: bool = True, max_requests: int | None = None):
         self.model_chunks = model_chunks
         self.vocab_size = vocab_size
         self.eos_id = eos_id
@@ -67,13 +67,15 @@ class MegatronSampler:
         self.seed = seed
         self.tokenizer = tokenizer  # decodes turns for stop strings and environments
         self.kv_cache = kv_cache
+        self.max_requests = max_requests  # sequences per cache (None: as many as fit)
         self.rows_fed: list[int] = []  # cached path: rows per forward, over the last generate
+        self.cache_waves = 0  # cached path: caches run by the last generate
 
     def update_weights(self, model_chunks) -> None:
         self.model_chunks = model_chunks  # same live model: nothing to copy
 
     def metrics(self) -> dict:
-        return {}
+        return {"rollout_cache_waves": self.cache_waves} if self.kv_cache else {}
 
     def _cached(self) -> bool:
         """The cached path when asked for and the model allows it (else the reference)."""
@@ -167,7 +169,8 @@ class MegatronSampler:
         return turn
 
     def _lockstep(self, streams: list[kv.Stream], advance, temperature: float, top_p: float):
-        """Run ``streams`` through the KV cache (see :func:`kv.decode_lockstep`)."""
+        """Run ``streams`` through the KV cache, in waves of :func:`kv.cache_rows` (see
+        :func:`kv.decode_lockstep`); returns the streams to restart."""
 
         def sample(logits, due):
             # Host floats, one transfer per step (a device tensor per row would cost an op each).
@@ -175,8 +178,13 @@ class MegatronSampler:
             ids, lp = self._sample(logits, u, temperature, top_p)
             return ids.tolist(), lp.tolist()
 
-        return kv.decode_lockstep(self.model_chunks[0], streams, self.seq_length, sample, advance,
-                                  rows_fed=self.rows_fed)
+        model, restart = self.model_chunks[0], []
+        size = kv.cache_rows(model, len(streams), self.seq_length, self.max_requests)
+        for start in range(0, len(streams), size):
+            restart += kv.decode_lockstep(model, streams[start:start + size], self.seq_length, sample,
+                                          advance, rows_fed=self.rows_fed)
+            self.cache_waves += 1
+        return restart
 
     def _decode_cached(self, histories, budgets, uniforms, temperature, top_p, stop) -> list[Turn]:
         """:meth:`_decode` through the KV cache."""
@@ -189,6 +197,7 @@ class MegatronSampler:
             return kv.DONE if self._record(stream.turn, token, lp, stream.budget, stop) else kv.CONTINUE
 
         self.rows_fed.clear()
+        self.cache_waves = 0
         self._lockstep([s for s in streams if s.budget > 0], advance, temperature, top_p)
         return [self._close(s.turn) for s in streams]
 
@@ -271,6 +280,7 @@ class MegatronSampler:
         streams = [next_turn(kv.Stream(s, [], 0, []), 0) for s in range(len(episodes))]
         streams = [s for s in streams if s is not None]
         self.rows_fed.clear()
+        self.cache_waves = 0
         while streams:  # a stream whose environment rewrote cached tokens restarts in a new cache
             streams = self._lockstep(streams, advance, temperature, top_p)
         return pack_episodes(episodes, n, self.seq_length, self.pad_id), episodes

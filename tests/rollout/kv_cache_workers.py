@@ -18,6 +18,7 @@ TINY = dict(vocab_size=40, make_vocab_size_divisible_by=8, hidden_size=64, ffn_h
 # Variable lengths: the first forward prefills 3 tokens, the longer prompts feed the rest.
 PROMPTS = [[5, 9, 2], [7, 1, 1, 4, 8, 3, 6], [11, 12, 13, 14, 15], [2, 3, 4, 5]]
 N, MAX_NEW, EOS = 2, 16, 3
+WAVE = 3  # sequences per cache in the wave runs: 8 sequences go in waves of 3, 3, 2
 
 
 class CountingEnv:
@@ -57,12 +58,12 @@ def _model(ckpt: str, save: bool):
     return model
 
 
-def _sampler(model, kv_cache: bool, eos_id=EOS):
+def _sampler(model, kv_cache: bool, eos_id=EOS, max_requests=None):
     from emapg_megatron.rollout.megatron_sampler import MegatronSampler
 
     return MegatronSampler([model], vocab_size=TINY["vocab_size"], eos_id=eos_id, pad_id=0,
                            seq_length=TINY["max_position_embeddings"], micro_batch_size=8, seed=7,
-                           kv_cache=kv_cache)
+                           kv_cache=kv_cache, max_requests=max_requests)
 
 
 def _share(dp: int, rank: int):
@@ -74,7 +75,7 @@ def _share(dp: int, rank: int):
 def _generate(sampler, prompts, seq_index, temperature=1.0, top_p=1.0):
     batch = sampler.generate(prompts, N, temperature, top_p, MAX_NEW, rng_step=3, seq_index=seq_index)
     return {"responses": batch.responses, "logprobs": batch.sampling_logprobs,
-            "rows_fed": list(sampler.rows_fed)}
+            "rows_fed": list(sampler.rows_fed), "waves": sampler.cache_waves}
 
 
 def _episodes(sampler, prompts, seq_index, cut: bool, n: int = N):
@@ -82,7 +83,7 @@ def _episodes(sampler, prompts, seq_index, cut: bool, n: int = N):
     batch, _ = sampler.generate_episodes(prompts, n, envs, tokenizer=None, temperature=1.0, top_p=1.0,
                                          max_new_tokens=MAX_NEW, rng_step=5, seq_index=seq_index)
     return {"tokens": batch.tokens, "loss_mask": batch.loss_mask, "logprobs": batch.sampling_logprobs,
-            "rows_fed": list(sampler.rows_fed)}
+            "rows_fed": list(sampler.rows_fed), "waves": sampler.cache_waves}
 
 
 def sample_both_paths(ckpt: str, save: bool):
@@ -103,7 +104,44 @@ def sample_both_paths(ckpt: str, save: bool):
         out[name + "_one_episode"] = _episodes(sampler, prompts[1:2], seq_index[2:3], cut=False, n=1)
     if save:
         out["dp2"] = [_generate(_sampler(model, True), *_share(2, r)) for r in range(2)]
+    out.update(_waves(model, prompts, seq_index))
     out["training_mode_kept"] = model.training
+    return out
+
+
+def _waves(model, prompts, seq_index):
+    """Cached samples with at most ``WAVE`` sequences per cache: set by --inference-max-requests,
+    and sized by free memory that differs across ranks (each rank's fit is ``WAVE`` + its rank:
+    the model-parallel group must agree on the smallest)."""
+    import torch.distributed as dist
+
+    from emapg_megatron.rollout import kv_cache_decoding as kv
+
+    contexts = []
+
+    class Recorded(kv.StaticInferenceContext):  # Megatron's context, kept to weigh its cache
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            contexts.append(self)
+
+    kv.StaticInferenceContext, real = Recorded, kv.StaticInferenceContext
+    try:
+        out = {"cached_waves": _generate(_sampler(model, True, max_requests=WAVE), prompts, seq_index)}
+    finally:
+        kv.StaticInferenceContext = real
+    out["cache_bytes"] = [(sum(t.numel() * t.element_size() for kv_ in c.key_value_memory_dict.values()
+                                for t in kv_), c.max_batch_size) for c in contexts]
+    sampler = _sampler(model, True, max_requests=WAVE)
+    sampler.eos_id = None
+    out["cached_waves_episodes"] = _episodes(sampler, prompts, seq_index, cut=True)
+    per_row = kv.cache_bytes_per_row(model, TINY["max_position_embeddings"])
+    out["cache_bytes_per_row"] = per_row
+    fit = (WAVE + dist.get_rank()) * per_row / kv.CACHE_MEMORY_FRACTION
+    free, kv.free_device_bytes = kv.free_device_bytes, lambda: int(fit) + 1
+    try:
+        out["cached_fit"] = _generate(_sampler(model, True), prompts, seq_index)
+    finally:
+        kv.free_device_bytes = free
     return out
 
 

@@ -7,7 +7,15 @@ and a finished sequence must leave the batch (rows fed per cached forward).
 
 import pytest
 import torch
-from kv_cache_workers import EOS, MAX_NEW, N, PROMPTS, sample_both_paths, sample_both_paths_te_like
+from kv_cache_workers import (
+    EOS,
+    MAX_NEW,
+    N,
+    PROMPTS,
+    WAVE,
+    sample_both_paths,
+    sample_both_paths_te_like,
+)
 
 from emapg_megatron.multiprocess import run_distributed
 
@@ -91,3 +99,29 @@ def test_te_route_feeds_history_one_token_at_a_time_after_the_prefill(layouts):
     assert te["cached"]["rows_fed"] == local["cached"]["rows_fed"]  # a decoding row: width 1 anyway
     one_te, one_local = te["cached_one_episode"]["rows_fed"], local["cached_one_episode"]["rows_fed"]
     assert len(one_te) > len(one_local)  # the local spec feeds each observation as one chunk
+
+
+@pytest.mark.parametrize("layout", ["tp1", "tp2", "pp2", "te"])
+def test_waves_sample_what_one_cache_samples(layouts, layout):
+    """At most ``WAVE`` sequences per cache, by --inference-max-requests or by free memory (which
+    differs across the model-parallel ranks here: they agree on the smallest fit, else their
+    forwards would not match): the same samples as the reference, fewer rows per cache."""
+    for rank in layouts[layout]:
+        for run, ref in (("cached_waves", ""), ("cached_fit", ""), ("cached_waves_episodes", "_episodes_cut")):
+            _same(rank[run], rank["reference" + ref])
+            assert max(rank[run]["rows_fed"]) == WAVE
+        assert rank["cached_waves"]["waves"] == rank["cached_fit"]["waves"] == -(-len(PROMPTS) * N // WAVE)
+        assert rank["cached_waves_episodes"]["waves"] > rank["cached_waves"]["waves"]  # + restarts
+        assert rank["cached"]["waves"] == 1
+
+
+@pytest.mark.parametrize("layout", ["tp1", "tp2", "pp2"])
+def test_cache_size_per_sequence_is_what_megatron_allocates(layouts, layout):
+    """``cache_bytes_per_row`` (which sizes the waves by memory) against the bytes Megatron's
+    attention layers allocate on each rank: this stage's layers, this TP rank's query groups."""
+    for rank in layouts[layout]:
+        sizes = rank["cache_bytes"]
+        assert [b for b, _ in sizes] == [rows * rank["cache_bytes_per_row"] for _, rows in sizes]
+        assert [rows for _, rows in sizes] == [WAVE, WAVE, len(PROMPTS) * N - 2 * WAVE]
+        if layout != "tp1":  # half the query groups (TP=2) or half the layers (PP=2) per rank
+            assert 2 * rank["cache_bytes_per_row"] == layouts["tp1"][0]["cache_bytes_per_row"]

@@ -8,10 +8,13 @@ anchor, rollout engine and the :class:`~emapg_megatron.trainer.Trainer` that orc
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import warnings
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from transformers import AutoTokenizer
@@ -22,6 +25,7 @@ from emapg_megatron.checkpoint import load_hf_weights
 from emapg_megatron.checkpoint.hf_config import model_config_from_hf, read_hf_config
 from emapg_megatron.models.gpt import (
     ModelConfig,
+    has_local_attention,
     validate_fp8_shapes,
     validate_precision,
 )
@@ -32,6 +36,7 @@ from emapg_megatron.runtime import ConfigError
 from emapg_megatron.tasks import get_task
 from emapg_megatron.tasks.synthetic import CharTokenizer, CopyTask
 from emapg_megatron.trainer import PolicyPasses, Trainer
+from emapg_megatron.training import packing
 from emapg_megatron.training.checkpoint_verify import load_verified
 from emapg_megatron.training.model_and_optimizer import (
     build_model_and_optimizer,
@@ -152,6 +157,8 @@ def build_run(args, cfg: arguments.ComponentConfigs, tokenizer, task, model_cfg,
         lr_warmup_steps=warmup, lr_decay_steps=args.train_iters,
         lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay, end_wd=args.weight_decay,
         wd_incr_steps=args.train_iters, wd_incr_style="constant")
+    if args.sequence_packing:
+        warn_slow_packed_attention(chunks[0], model_cfg)
     anchor = EmaAnchor(chunks, optimizer, cfg.ema)
     sampler = build_rollout_engine(args, chunks, model_cfg, tokenizer)
     passes = PolicyPasses(cfg.kl, cfg.loss, model_cfg.vocab_size,
@@ -162,6 +169,17 @@ def build_run(args, cfg: arguments.ComponentConfigs, tokenizer, task, model_cfg,
                    monitor=monitor, sampler=sampler, task=task, tokenizer=tokenizer, passes=passes,
                    step_cfg=cfg.step, data=PromptSchedule(rows, args.seed),
                    rollout_batch_size=args.rollout_batch_size)
+
+
+def warn_slow_packed_attention(model, model_cfg) -> None:
+    """Warn once if TE would run the packed (THD) attention on its slow unfused backend."""
+    if has_local_attention(model):
+        return  # the local spec's block mask: no TE backend involved
+    gqa = (model_cfg.num_query_groups or model_cfg.num_attention_heads) < model_cfg.num_attention_heads
+    note = packing.slow_thd_attention(torch.backends.cudnn.version(),
+                                      importlib.util.find_spec("flash_attn") is not None, gqa)
+    if note and dist.get_rank() == 0:
+        warnings.warn(note, stacklevel=2)
 
 
 def build_rollout_engine(args, chunks, model_cfg, tokenizer):

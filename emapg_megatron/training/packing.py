@@ -256,6 +256,23 @@ def thd_params(cu_seqlens: torch.Tensor):
                            max_seqlen_q=longest, max_seqlen_kv=longest)
 
 
+def slow_thd_attention(cudnn_version: int | None, flash_attn: bool, gqa: bool) -> str | None:
+    """Why Transformer Engine would run packed (THD) attention on its unfused backend, which pads
+    every segment to the longest (slow, memory-hungry), or None. TE's cuDNN backend takes THD with
+    a padding mask from cuDNN 9.1, and with GQA from 9.6 (9.10.0 and 9.10.1 are excluded);
+    FlashAttention takes THD with GQA when installed (TE 2.11, ``get_attention_backend``)."""
+    if flash_attn:
+        return None
+    need = 90600 if gqa else 90100
+    v = cudnn_version or 0
+    if v >= need and v not in (91000, 91001):
+        return None
+    found = f"cuDNN {v // 10000}.{v // 100 % 100}.{v % 100}" if v else "no cuDNN"
+    return (f"--sequence-packing on Transformer Engine: {found} and no flash-attn, so TE runs packed "
+            f"attention unfused (padded per segment, slow); install cuDNN >= "
+            f"{'9.6' if gqa else '9.1'} (not 9.10.0/9.10.1) or flash-attn")
+
+
 def model_inputs(model, mb: dict) -> dict:
     """Keyword args of ``schedule.logits_of`` for ``mb``: none for a padded micro-batch."""
     if "packing" not in mb:

@@ -13,6 +13,7 @@ from packing_workers import AGG_MODES
 from test_packing import LENGTHS, assert_passes_equal, assert_update_equal
 
 from emapg_megatron.multiprocess import run_distributed
+from emapg_megatron.training import packing
 
 pytestmark = pytest.mark.slow
 
@@ -42,3 +43,19 @@ def test_thd_no_grad_passes_equal(thd):
 @pytest.mark.parametrize("agg", AGG_MODES)
 def test_thd_loss_metrics_and_grads_equal(thd, agg):
     assert_update_equal(thd, agg, atol=ATOL)  # ATOL: the KL sums, 0 here (see above)
+
+
+@pytest.mark.parametrize("cudnn, flash_attn, gqa, slow", [
+    (91300, False, True, False),   # cuDNN takes THD with GQA from 9.6
+    (90500, False, True, True),    # 9.1-9.5: THD only without GQA
+    (90500, False, False, False),
+    (91000, False, False, True),   # 9.10.0 and 9.10.1 are excluded
+    (90000, False, False, True),   # THD with a padding mask from 9.1
+    (None, False, True, True),
+    (None, True, True, False),     # FlashAttention takes THD with GQA
+])
+def test_packed_attention_on_te_warns_when_only_the_unfused_backend_is_left(cudnn, flash_attn, gqa, slow):
+    note = packing.slow_thd_attention(cudnn, flash_attn, gqa)
+    assert (note is not None) == slow
+    if slow:
+        assert "unfused" in note and ("9.6" if gqa else "9.1") in note

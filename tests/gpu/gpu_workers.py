@@ -143,6 +143,10 @@ def sampler_check() -> dict:
         out[:, 1:] = lp[:, :-1].gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
         return out.cpu()
 
+    auto_waves = sampler.cache_waves  # sized by the free GPU memory: all 16 fit
+    waves = MegatronSampler(chunks, vocab_size=cfg.vocab_size, eos_id=None, pad_id=0, seq_length=seq,
+                            micro_batch_size=8, seed=7, max_requests=5)
+    b_waves = waves.generate(prompts, 4, 1.0, 1.0, new, rng_step=3)
     tf1, tf_nucleus = teacher_forced(b1), teacher_forced(nucleus)
     sel = b1.loss_mask > 0
     sel_n = nucleus.loss_mask > 0
@@ -159,7 +163,20 @@ def sampler_check() -> dict:
         "sampled_logprob_mean": float(b1.sampling_logprobs[sel].mean()),
         # top-p 0.5 renormalises over the nucleus: log pi_top-p(y) = log pi(y) - log mass >= log pi(y)
         "nucleus_minus_full": nucleus.sampling_logprobs[sel_n] - tf_nucleus[sel_n],
+        **_cache_memory(chunks, seq, auto_waves, waves, b_waves, b1),
     }
+
+
+def _cache_memory(chunks, seq, auto_waves, waves, b_waves, b1) -> dict:
+    """The KV cache's memory sizing on a real GPU: free memory, the per-sequence size (bf16), the
+    waves of ``--inference-max-requests`` and of free memory."""
+    from emapg_megatron.rollout import kv_cache_decoding as kv
+
+    same = [a == b for a, b in zip(b_waves.responses, b1.responses)]
+    return {"free_bytes": kv.free_device_bytes(), "total_bytes": torch.cuda.get_device_properties(0).total_memory,
+            "bytes_per_row": kv.cache_bytes_per_row(chunks[0], seq), "auto_waves": auto_waves,
+            "max_requests_waves": waves.cache_waves, "max_rows_fed": max(waves.rows_fed),
+            "waves_same_responses": sum(same)}
 
 
 # --- the fused vocab-parallel Top-k KL op on the GPU --------------------------------------------

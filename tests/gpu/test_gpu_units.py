@@ -74,6 +74,13 @@ def test_builtin_sampler_on_cuda(units):
     # Top-p 0.5 renormalises over the nucleus, so its log-prob is >= the full one, strictly on average.
     nucleus = res["nucleus_minus_full"]
     assert nucleus.min() > -5e-2 and nucleus.mean() > 0.1, (nucleus.min(), nucleus.mean())
+    # The cache's memory sizing on the real device: one wave by free memory, four of at most 5 rows
+    # by --inference-max-requests, the same samples up to bf16 kernels picked by batch size.
+    assert 0 < res["free_bytes"] <= res["total_bytes"], (res["free_bytes"], res["total_bytes"])
+    # keys and values x 2 layers x 48 positions x 2 query groups x head_dim 32 x 2 bytes (bf16)
+    assert res["bytes_per_row"] == 2 * 2 * 48 * 2 * 32 * 2
+    assert res["auto_waves"] == 1 and res["max_requests_waves"] == 4 and res["max_rows_fed"] == 5
+    assert res["waves_same_responses"] >= 12, res["waves_same_responses"]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

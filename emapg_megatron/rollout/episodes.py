@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
 from emapg_megatron.rollout.engine import (
     RolloutBatch,
@@ -54,6 +55,7 @@ class Episode:
         self.unaligned_tokens = 0
         self.truncated = False
         self.agreed_text: str | None = None  # set by an engine that broadcasts another rank's batch
+        self.agreed_done: bool | None = None  # set by :func:`agree` to its source rank's answer
 
     @property
     def response_text(self) -> str:
@@ -66,6 +68,8 @@ class Episode:
 
     @property
     def done(self) -> bool:
+        if self.agreed_done is not None:
+            return self.agreed_done or self.room() < 1
         return self.env.done or self.room() < 1
 
     def history(self) -> list[int]:
@@ -100,6 +104,28 @@ class Episode:
         self.logprobs += logprobs
 
 
+_AGREED = ("ids", "mask", "logprobs", "unaligned_tokens", "truncated")
+
+
+def agree(episodes: Sequence[Episode], group) -> None:
+    """Every rank of ``group`` takes its first rank's outcome of these episodes (tokens, mask,
+    log-probs, whether done, the text the reward scores), after each rank stepped its own copy
+    of their environments. Copies may answer differently (a retriever that failed on one rank
+    only), and the ranks of a model-parallel group must feed the same tokens to the same
+    forwards and train on the same batch. A no-op without a group or on one rank."""
+    if group is None or dist.get_world_size(group) == 1 or not episodes:
+        return
+    src = dist.get_process_group_ranks(group)[0]
+    payload = [[({k: getattr(ep, k) for k in _AGREED}, ep.done, ep.response_text) for ep in episodes]]
+    dist.broadcast_object_list(payload, src=src, group=group)  # our own ranks' lists, not user data
+    if dist.get_rank() == src:
+        return
+    for ep, (fields, done, text) in zip(episodes, payload[0]):
+        for k, v in fields.items():
+            setattr(ep, k, v)
+        ep.agreed_done, ep.agreed_text = done, text
+
+
 def pack_episodes(episodes: Sequence[Episode], n: int, seq_length: int, pad_id: int) -> RolloutBatch:
     """Prompt-major episodes (``n`` per prompt) as a RolloutBatch with the episodes' masks."""
     prompts = [episodes[i].prompt_ids for i in range(0, len(episodes), n)]
@@ -122,12 +148,13 @@ def start_episodes(prompts: Sequence[Sequence[int]], n: int, envs: Sequence[Any]
 
 def run_episodes(continue_fn: Callable[..., list[Turn]], prompts: Sequence[Sequence[int]], n: int,
                  envs: Sequence[Any], *, tokenizer, top_p: float, max_new_tokens: int,
-                 seq_length: int, pad_id: int) -> tuple[RolloutBatch, list[Episode]]:
+                 seq_length: int, pad_id: int, group=None) -> tuple[RolloutBatch, list[Episode]]:
     """``envs`` holds one fresh environment per sequence (prompt-major).
 
     Each round continues every unfinished episode by one model turn (at most the env's
     ``max_turn_tokens``, else ``max_new_tokens``, and never past ``seq_length``), then lets
-    its environment answer. The batch's loss mask is 0 on observations.
+    its environment answer; the ranks of ``group`` then :func:`agree` on the answers. The
+    batch's loss mask is 0 on observations.
     """
     episodes = start_episodes(prompts, n, envs, tokenizer=tokenizer, top_p=top_p, seq_length=seq_length)
     turn = 0
@@ -136,5 +163,6 @@ def run_episodes(continue_fn: Callable[..., list[Turn]], prompts: Sequence[Seque
                             [episodes[s].turn_budget(max_new_tokens) for s in active], active, turn)
         for s, t in zip(active, turns):
             episodes[s].add_turn(t)
+        agree([episodes[s] for s in active], group)
         turn += 1
     return pack_episodes(episodes, n, seq_length, pad_id), episodes

@@ -84,23 +84,18 @@ def cache_bytes_per_row(model, max_len: int) -> int:
     return 2 * layers * max_len * groups * cfg.kv_channels * itemsize
 
 
-def rows_per_cache(rows: int, bytes_per_row: int, max_requests: int | None = None,
-                   free_bytes: int | None = None) -> int:
-    """Sequences per cache: ``max_requests`` when set, else as many as fit in
-    :data:`CACHE_MEMORY_FRACTION` of ``free_bytes`` (None: no limit), never more than ``rows``."""
+def rows_per_cache(rows: int, max_requests: int | None = None, fit: int | None = None) -> int:
+    """Sequences per cache: ``max_requests`` when set, else ``fit`` (None: no limit), never more
+    than ``rows``."""
     rows = max(rows, 1)
     if max_requests:
         return min(rows, max_requests)
-    if free_bytes is None:
-        return rows
-    fit = int(free_bytes * CACHE_MEMORY_FRACTION) // bytes_per_row
-    if fit < 1:
-        raise runtime.ConfigError(
-            f"the KV cache of one sequence ({bytes_per_row / 2**30:.2f} GiB up to --seq-length) does "
-            f"not fit in {CACHE_MEMORY_FRACTION:.0%} of the free GPU memory ({free_bytes / 2**30:.2f} "
-            f"GiB): lower --seq-length, add tensor or pipeline parallelism, or sample with "
-            f"--no-rollout-kv-cache or --rollout-engine vllm")
-    return min(rows, fit)
+    return rows if fit is None else min(rows, fit)
+
+
+def rows_that_fit(bytes_per_row: int, free_bytes: int) -> int:
+    """Caches of this many sequences take at most :data:`CACHE_MEMORY_FRACTION` of ``free_bytes``."""
+    return int(free_bytes * CACHE_MEMORY_FRACTION) // bytes_per_row
 
 
 def free_device_bytes() -> int | None:
@@ -112,16 +107,27 @@ def free_device_bytes() -> int | None:
 
 
 def cache_rows(model, rows: int, max_len: int, max_requests: int | None = None) -> int:
-    """:func:`rows_per_cache` for this rank, the same on every rank of its model-parallel group
-    (they run the same forwards), so the smallest fit over the group when sized by memory."""
+    """:func:`rows_per_cache` for this rank. Sized by free memory, it is the smallest fit over the
+    model-parallel group (its ranks run the same forwards), and when one rank has no room for a
+    single sequence every rank raises (none is left waiting in a collective)."""
     free = None if max_requests else free_device_bytes()
-    size = rows_per_cache(rows, cache_bytes_per_row(model, max_len), max_requests, free)
+    if free is None:
+        return rows_per_cache(rows, max_requests)
+    per_row = cache_bytes_per_row(model, max_len)
+    fit = own = rows_that_fit(per_row, free)
     group = ps.get_model_parallel_group()
-    if free is not None and dist.get_world_size(group) > 1:
-        t = torch.tensor([size], device=runtime.device())
+    if dist.get_world_size(group) > 1:
+        t = torch.tensor([fit], device=runtime.device())
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
-        size = int(t.item())
-    return size
+        fit = int(t.item())
+    if fit < 1:
+        where = "" if own < 1 else " on another rank of this model-parallel group"
+        raise runtime.ConfigError(
+            f"the KV cache of one sequence ({per_row / 2**30:.2f} GiB up to --seq-length) does not "
+            f"fit in {CACHE_MEMORY_FRACTION:.0%} of the free GPU memory{where} (here "
+            f"{free / 2**30:.2f} GiB): lower --seq-length, add tensor or pipeline parallelism, or "
+            f"sample with --no-rollout-kv-cache or --rollout-engine vllm")
+    return rows_per_cache(rows, fit=fit)
 
 
 class CachedForward:
@@ -134,7 +140,8 @@ class CachedForward:
         wcfg = InferenceWrapperConfig(
             hidden_size=cfg.hidden_size, params_dtype=cfg.params_dtype,
             inference_batch_times_seqlen_threshold=-1,  # never split a step into micro-batches
-            padded_vocab_size=_output_size(model), fp32_residual_connection=cfg.fp32_residual_connection)
+            padded_vocab_size=_output_size(model), fp32_residual_connection=cfg.fp32_residual_connection,
+            fp8=cfg.fp8)  # under FP8 Megatron pads TE GEMM inputs: rows leave, counts go odd
         self.context = StaticInferenceContext(max_batch, max_len)
         self.wrapper = GPTInferenceWrapper(model, wcfg, self.context)
         self.chunks_after_prefill = has_local_attention(model)  # TE drops a mask at an offset
@@ -226,8 +233,18 @@ def _advance_due(active: list[Stream], fed: int, logits, sample, advance) -> lis
         return status
     ids, lps = sample(None if logits is None else logits[due], [active[i] for i in due])
     for i, tok, lp in zip(due, ids, lps):
-        cached = active[i].known[:fed]
+        known = active[i].known  # advance appends to it, or replaces it at a turn's end
         status[i] = advance(active[i], tok, lp)
-        if status[i] == CONTINUE and active[i].known[:fed] != cached:
-            status[i] = RESTART  # the environment rewrote tokens the cache already holds
+        if status[i] == CONTINUE and _needs_restart(known, active[i].known, fed):
+            status[i] = RESTART
     return status
+
+
+def _needs_restart(before: list[int], after: list[int], fed: int) -> bool:
+    """Whether a row's new history cannot continue its cache: it rewrote tokens the cache holds
+    (the environment cut a turn after fed tokens), or it has no token left to feed. Compared
+    only when the history was replaced: an append keeps the cached prefix (no O(L) copy per
+    token)."""
+    if after is before:
+        return len(after) <= fed
+    return len(after) <= fed or after[:fed] != before[:fed]

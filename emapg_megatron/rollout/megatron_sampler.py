@@ -31,6 +31,7 @@ from emapg_megatron.rollout.engine import (
 )
 from emapg_megatron.rollout.episodes import (
     Turn,
+    agree,
     pack_episodes,
     run_episodes,
     start_episodes,
@@ -94,10 +95,13 @@ class MegatronSampler:
             return {"logits": gather_from_tensor_model_parallel_region(last)}
 
         device = runtime.device()
-        mbs = split_microbatches({"tokens": tokens.to(device), "lengths": lengths.to(device)},
-                                 min(self.micro_batch_size, tokens.shape[0]))
+        S, size = tokens.shape[0], min(self.micro_batch_size, tokens.shape[0])
+        extra = -S % size  # equal micro-batches: the pipeline's buffers are sized by the first
+        rows = torch.cat([torch.arange(S), torch.zeros(extra, dtype=torch.long)])
+        mbs = split_microbatches({"tokens": tokens[rows].to(device), "lengths": lengths[rows].to(device)},
+                                 size)
         outs = forward_only(self.model_chunks, mbs, pick)
-        return torch.cat([o["logits"] for o in outs]) if outs else None
+        return torch.cat([o["logits"] for o in outs])[:S] if outs else None
 
     def _broadcast_from_last_stage(self, *tensors):
         if ps.get_pipeline_model_parallel_world_size() == 1:
@@ -244,7 +248,7 @@ class MegatronSampler:
 
         return run_episodes(continue_fn, prompts, n, envs, tokenizer=tokenizer, top_p=top_p,
                             max_new_tokens=max_new_tokens, seq_length=self.seq_length,
-                            pad_id=self.pad_id)
+                            pad_id=self.pad_id, group=ps.get_model_parallel_group())
 
     def _episodes_cached(self, prompts, n, envs, tokenizer, temperature, top_p, max_new_tokens,
                          stop, rng_step, index):
@@ -275,6 +279,7 @@ class MegatronSampler:
             if not self._record(stream.turn, token, lp, stream.budget, stop):
                 return kv.CONTINUE
             episodes[stream.key].add_turn(self._close(stream.turn))
+            agree([episodes[stream.key]], ps.get_model_parallel_group())  # same order on every rank
             return kv.CONTINUE if next_turn(stream, stream.turn_index + 1) else kv.DONE
 
         streams = [next_turn(kv.Stream(s, [], 0, []), 0) for s in range(len(episodes))]

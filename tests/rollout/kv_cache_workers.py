@@ -44,6 +44,18 @@ class CountingEnv:
         self.segments.append(Segment("", "observation", obs))
 
 
+class FlakyEnv(CountingEnv):
+    """:class:`CountingEnv` whose copies on ranks other than 0 lose some observations (a retriever
+    that failed there): the model-parallel ranks must take rank 0's answers."""
+
+    def step(self, text, token_ids=None):
+        import torch.distributed as dist
+
+        super().step(text, token_ids)
+        if dist.get_rank() != 0 and self.row % 2 == 0 and self.segments[-1].role == "observation":
+            self.segments[-1] = Segment("", "observation", [])
+
+
 def _model(ckpt: str, save: bool):
     from megatron.core import dist_checkpointing
 
@@ -62,7 +74,7 @@ def _sampler(model, kv_cache: bool, eos_id=EOS, max_requests=None):
     from emapg_megatron.rollout.megatron_sampler import MegatronSampler
 
     return MegatronSampler([model], vocab_size=TINY["vocab_size"], eos_id=eos_id, pad_id=0,
-                           seq_length=TINY["max_position_embeddings"], micro_batch_size=8, seed=7,
+                           seq_length=TINY["max_position_embeddings"], micro_batch_size=3, seed=7,
                            kv_cache=kv_cache, max_requests=max_requests)
 
 
@@ -78,8 +90,8 @@ def _generate(sampler, prompts, seq_index, temperature=1.0, top_p=1.0):
             "rows_fed": list(sampler.rows_fed), "waves": sampler.cache_waves}
 
 
-def _episodes(sampler, prompts, seq_index, cut: bool, n: int = N):
-    envs = [CountingEnv(i, cut=cut and i % 3 == 1) for i in seq_index]
+def _episodes(sampler, prompts, seq_index, cut: bool, n: int = N, env=CountingEnv):
+    envs = [env(i, cut=cut and i % 3 == 1) for i in seq_index]
     batch, _ = sampler.generate_episodes(prompts, n, envs, tokenizer=None, temperature=1.0, top_p=1.0,
                                          max_new_tokens=MAX_NEW, rng_step=5, seq_index=seq_index)
     return {"tokens": batch.tokens, "loss_mask": batch.loss_mask, "logprobs": batch.sampling_logprobs,
@@ -100,6 +112,7 @@ def sample_both_paths(ckpt: str, save: bool):
         sampler.eos_id = None
         out[name + "_episodes"] = _episodes(sampler, prompts, seq_index, cut=False)
         out[name + "_episodes_cut"] = _episodes(sampler, prompts, seq_index, cut=True)
+        out[name + "_flaky"] = _episodes(sampler, prompts, seq_index, cut=False, env=FlakyEnv)
         # one sequence: each observation (with the turn's last token) is a chunk of history
         out[name + "_one_episode"] = _episodes(sampler, prompts[1:2], seq_index[2:3], cut=False, n=1)
     if save:
@@ -116,6 +129,7 @@ def _waves(model, prompts, seq_index):
     import torch.distributed as dist
 
     from emapg_megatron.rollout import kv_cache_decoding as kv
+    from emapg_megatron.runtime import ConfigError
 
     contexts = []
 
@@ -140,6 +154,11 @@ def _waves(model, prompts, seq_index):
     free, kv.free_device_bytes = kv.free_device_bytes, lambda: int(fit) + 1
     try:
         out["cached_fit"] = _generate(_sampler(model, True), prompts, seq_index)
+        kv.free_device_bytes = lambda: 1 if dist.get_rank() == dist.get_world_size() - 1 else 2**40
+        try:  # the last rank has no room: every rank must raise, none wait in a collective
+            _generate(_sampler(model, True), prompts, seq_index)
+        except ConfigError as e:
+            out["no_room"] = str(e)
     finally:
         kv.free_device_bytes = free
     return out

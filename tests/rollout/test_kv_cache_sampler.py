@@ -20,7 +20,9 @@ from kv_cache_workers import (
 from emapg_megatron.multiprocess import run_distributed
 
 ATOL = 1e-5
-RUNS = ["", "_top_p", "_episodes", "_episodes_cut", "_one_episode"]
+# _flaky: environments whose copies on ranks other than 0 answer differently; rank 0's answers
+# must win on every rank (at TP=1, rank 0's are the only ones: the same as _episodes)
+RUNS = ["", "_top_p", "_episodes", "_episodes_cut", "_one_episode", "_flaky"]
 
 
 @pytest.fixture(scope="module")
@@ -115,6 +117,17 @@ def test_waves_sample_what_one_cache_samples(layouts, layout):
         assert rank["cached"]["waves"] == 1
 
 
+
+@pytest.mark.parametrize("layout", ["tp1", "tp2", "pp2"])
+def test_no_room_for_one_sequence_is_an_error_on_every_rank(layouts, layout):
+    """One rank of the model-parallel group cannot hold one sequence's cache: all of them raise
+    (a rank that raised alone would leave the others waiting in the next collective)."""
+    last = len(layouts[layout]) - 1
+    for r, rank in enumerate(layouts[layout]):
+        assert "KV cache of one sequence" in rank["no_room"] and "--seq-length" in rank["no_room"]
+        assert ("another rank" in rank["no_room"]) == (r != last)
+
+
 @pytest.mark.parametrize("layout", ["tp1", "tp2", "pp2"])
 def test_cache_size_per_sequence_is_what_megatron_allocates(layouts, layout):
     """``cache_bytes_per_row`` (which sizes the waves by memory) against the bytes Megatron's
@@ -125,3 +138,14 @@ def test_cache_size_per_sequence_is_what_megatron_allocates(layouts, layout):
         assert [rows for _, rows in sizes] == [WAVE, WAVE, len(PROMPTS) * N - 2 * WAVE]
         if layout != "tp1":  # half the query groups (TP=2) or half the layers (PP=2) per rank
             assert 2 * rank["cache_bytes_per_row"] == layouts["tp1"][0]["cache_bytes_per_row"]
+
+
+def test_model_parallel_ranks_take_the_first_ranks_environment_answers(layouts):
+    """A flaky environment copy (another answer on ranks other than 0) changes nothing: every
+    rank of TP=2 and PP=2, on both paths, holds what one rank samples with the good answers."""
+    good = layouts["tp1"][0]["cached_episodes"]
+    _same(layouts["tp1"][0]["cached_flaky"], good)
+    for layout in ("tp2", "pp2"):
+        for rank in layouts[layout]:
+            _same(rank["cached_flaky"], good)
+            _same(rank["reference_flaky"], good)

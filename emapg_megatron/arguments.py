@@ -161,6 +161,11 @@ def build_parser() -> argparse.ArgumentParser:
            "(Megatron-LM's flag); the rest of a rank's sequences follow in later waves. Megatron's "
            "static cache is allocated whole, every position up to --seq-length, so this bounds "
            "its memory. Default: as many as fit in 80%% of the free GPU memory (all on CPU)")
+    a("--inference-batch-times-seqlen-threshold", type=int, default=16384,
+      help="built-in sampler with the KV cache: a forward of more rows x tokens than this (a long "
+           "prefill of many sequences) runs in micro-batches of rows through Megatron's inference "
+           "path, bounding its activation memory (Megatron-LM's flag; here at any PP size). "
+           "-1: never split")
     a("--rollout-batch-size", type=int, default=8, help="prompts per trainer step (B)")
     a("--num-samples-per-prompt", type=int, default=8, help="responses per prompt (N, the GRPO group)")
     a("--max-new-tokens", type=int, default=16, help="response length limit")
@@ -357,6 +362,9 @@ def validate(args: argparse.Namespace, world_size: int, cfg: ComponentConfigs | 
     _check(args.max_turns >= 1, "--max-turns must be >= 1")
     _check(args.inference_max_requests is None or args.inference_max_requests >= 1,
            f"--inference-max-requests must be >= 1 (got {args.inference_max_requests})")
+    _check(args.inference_batch_times_seqlen_threshold == -1 or args.inference_batch_times_seqlen_threshold >= 1,
+           f"--inference-batch-times-seqlen-threshold must be >= 1 or -1 "
+           f"(got {args.inference_batch_times_seqlen_threshold})")
     _check(args.rollout_is == "none" or (args.temperature == 1.0 and args.top_p == 1.0),
            "--rollout-is compares the engine's log-probs with the trainer's, which are taken at "
            "temperature 1 without top-p: it needs --temperature 1 --top-p 1")

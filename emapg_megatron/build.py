@@ -195,7 +195,8 @@ def build_rollout_engine(args, chunks, model_cfg, tokenizer):
                            eos_id=getattr(tokenizer, "eos_token_id", None), pad_id=pad_id,
                            seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
                            seed=args.seed, tokenizer=tokenizer, kv_cache=args.rollout_kv_cache,
-                           max_requests=args.inference_max_requests)
+                           max_requests=args.inference_max_requests,
+                           max_forward_tokens=max(args.inference_batch_times_seqlen_threshold, 0) or None)
 
 
 def load_pretrained(chunks, optimizer, path: str) -> None:

@@ -78,6 +78,9 @@ def test_cli_subprocess_exit_code():
     (["--rollout-is", "mis", "--rollout-is-threshold", "5", "--rollout-is-threshold-lower", "0.2"], 2, None),
     (["--inference-max-requests", "0"], 2, "--inference-max-requests must be >= 1 (got 0)"),
     (["--inference-max-requests", "4"], 2, None),
+    (["--inference-batch-times-seqlen-threshold", "0"], 2,
+     "--inference-batch-times-seqlen-threshold must be >= 1 or -1 (got 0)"),
+    (["--inference-batch-times-seqlen-threshold", "-1"], 2, None),
 ])
 def test_bad_input_is_one_clear_line(argv, world, message):
     r = run_cli(*argv, env_world=world)

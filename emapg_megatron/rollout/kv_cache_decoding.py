@@ -21,7 +21,9 @@ to the front of Megatron's cache, in place, so only they are fed.
 The static cache is allocated whole (every row, every position up to ``--seq-length``), so a
 rank's sequences go through it in waves of :func:`cache_rows`: ``--inference-max-requests``
 (Megatron-LM's flag) when given, else as many as fit in free GPU memory (all of them on CPU).
-Waves change nothing sampled: a sequence's uniforms are keyed by its global index.
+Waves change nothing sampled: a sequence's uniforms are keyed by its global index. A forward of
+more than ``--inference-batch-times-seqlen-threshold`` tokens (a long prefill of many rows) runs
+in micro-batches of rows through Megatron's own path, so its activations stay bounded.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
+from megatron.core.distributed import DistributedDataParallel
 from megatron.core.inference.contexts import StaticInferenceContext
 from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import (
     GPTInferenceWrapper,
@@ -135,15 +138,19 @@ class CachedForward:
     rows and ``max_len`` positions; returns the last position's full-vocabulary logits on the
     last pipeline stage, None elsewhere."""
 
-    def __init__(self, model, max_batch: int, max_len: int):
+    def __init__(self, model, max_batch: int, max_len: int, max_forward_tokens: int | None = None):
         cfg = get_model_config(model)
+        self.max_forward_tokens = max_forward_tokens  # rows x width above it: row micro-batches
         wcfg = InferenceWrapperConfig(
             hidden_size=cfg.hidden_size, params_dtype=cfg.params_dtype,
-            inference_batch_times_seqlen_threshold=-1,  # never split a step into micro-batches
+            inference_batch_times_seqlen_threshold=max_forward_tokens or -1,
             padded_vocab_size=_output_size(model), fp32_residual_connection=cfg.fp32_residual_connection,
             fp8=cfg.fp8)  # under FP8 Megatron pads TE GEMM inputs: rows leave, counts go odd
         self.context = StaticInferenceContext(max_batch, max_len)
-        self.wrapper = GPTInferenceWrapper(model, wcfg, self.context)
+        # Megatron's DDP wrapper adds nothing to a forward without grad, and lacks the
+        # set_input_tensor that the wrapper's micro-batched path calls on its model.
+        inner = model.module if isinstance(model, DistributedDataParallel) else model
+        self.wrapper = GPTInferenceWrapper(inner, wcfg, self.context)
         self.chunks_after_prefill = has_local_attention(model)  # TE drops a mask at an offset
         self.rows_fed: list[int] = []  # rows per forward: finished rows cost nothing
 
@@ -159,8 +166,12 @@ class CachedForward:
         self.rows_fed.append(tokens.shape[0])
         # The wrapper's run_one_forward_step runs under inference_mode; plain no_grad keeps the
         # cache and Megatron's shared attention buffer ordinary tensors for the training passes.
-        # With PP=1 this forward has no pipeline neighbours and is the plain forward.
-        logits = self.wrapper.forward_pass_with_pipeline_parallel_small_input_batch(inputs)
+        # With PP=1 these forwards have no pipeline neighbours. A prefill of many rows runs in
+        # micro-batches of rows (Megatron's path), which bounds its activation memory.
+        if self.max_forward_tokens and tokens.numel() > self.max_forward_tokens:
+            logits = self.wrapper.forward_pass_with_pipeline_parallel_large_input_batch(inputs)
+        else:
+            logits = self.wrapper.forward_pass_with_pipeline_parallel_small_input_batch(inputs)
         return None if logits is None else logits[:, -1]
 
     def keep_rows(self, keep: list[int]) -> None:
@@ -186,7 +197,7 @@ def _output_size(model) -> int:
 def decode_lockstep(model, streams: list[Stream], max_len: int,
                     sample: Callable[[torch.Tensor | None, list[Stream]], tuple[list[int], list[float]]],
                     advance: Callable[[Stream, int, float], str], *,
-                    rows_fed: list[int] | None = None) -> list[Stream]:
+                    rows_fed: list[int] | None = None, max_forward_tokens: int | None = None) -> list[Stream]:
     """Continue ``streams`` in one cache until every one is done.
 
     ``sample(logits_or_None, due)`` draws the next token of each row in ``due`` (the same
@@ -196,7 +207,7 @@ def decode_lockstep(model, streams: list[Stream], max_len: int,
     """
     if not streams:
         return []
-    forward = CachedForward(model, len(streams), max_len)
+    forward = CachedForward(model, len(streams), max_len, max_forward_tokens)
     was_training = model.training
     forward.wrapper.prep_model_for_inference()  # eval mode (inference attention), context reset
     active, restart, fed = list(streams), [], 0

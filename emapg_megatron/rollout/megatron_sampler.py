@@ -58,7 +58,8 @@ def sample_from_logits(logits: torch.Tensor, uniforms: torch.Tensor, temperature
 class MegatronSampler:
     def __init__(self, model_chunks, *, vocab_size: int, eos_id: int | None, pad_id: int,
                  seq_length: int, micro_batch_size: int, seed: int, tokenizer=None,
-                 kv_cache: bool = True, max_requests: int | None = None):
+                 kv_cache: bool = True, max_requests: int | None = None,
+                 max_forward_tokens: int | None = None):
         self.model_chunks = model_chunks
         self.vocab_size = vocab_size
         self.eos_id = eos_id
@@ -69,6 +70,7 @@ class MegatronSampler:
         self.tokenizer = tokenizer  # decodes turns for stop strings and environments
         self.kv_cache = kv_cache
         self.max_requests = max_requests  # sequences per cache (None: as many as fit)
+        self.max_forward_tokens = max_forward_tokens  # cached forwards above it: row micro-batches
         self.rows_fed: list[int] = []  # cached path: rows per forward, over the last generate
         self.cache_waves = 0  # cached path: caches run by the last generate
 
@@ -186,7 +188,8 @@ class MegatronSampler:
         size = kv.cache_rows(model, len(streams), self.seq_length, self.max_requests)
         for start in range(0, len(streams), size):
             restart += kv.decode_lockstep(model, streams[start:start + size], self.seq_length, sample,
-                                          advance, rows_fed=self.rows_fed)
+                                          advance, rows_fed=self.rows_fed,
+                                          max_forward_tokens=self.max_forward_tokens)
             self.cache_waves += 1
         return restart
 

@@ -19,6 +19,7 @@ TINY = dict(vocab_size=40, make_vocab_size_divisible_by=8, hidden_size=64, ffn_h
 PROMPTS = [[5, 9, 2], [7, 1, 1, 4, 8, 3, 6], [11, 12, 13, 14, 15], [2, 3, 4, 5]]
 N, MAX_NEW, EOS = 2, 16, 3
 WAVE = 3  # sequences per cache in the wave runs: 8 sequences go in waves of 3, 3, 2
+SPLIT = 6  # tokens per cached forward above which rows go in micro-batches (the 8 x 3 prefill)
 
 
 class CountingEnv:
@@ -70,12 +71,13 @@ def _model(ckpt: str, save: bool):
     return model
 
 
-def _sampler(model, kv_cache: bool, eos_id=EOS, max_requests=None):
+def _sampler(model, kv_cache: bool, eos_id=EOS, max_requests=None, max_forward_tokens=None):
     from emapg_megatron.rollout.megatron_sampler import MegatronSampler
 
     return MegatronSampler([model], vocab_size=TINY["vocab_size"], eos_id=eos_id, pad_id=0,
                            seq_length=TINY["max_position_embeddings"], micro_batch_size=3, seed=7,
-                           kv_cache=kv_cache, max_requests=max_requests)
+                           kv_cache=kv_cache, max_requests=max_requests,
+                           max_forward_tokens=max_forward_tokens)
 
 
 def _share(dp: int, rank: int):
@@ -118,7 +120,32 @@ def sample_both_paths(ckpt: str, save: bool):
     if save:
         out["dp2"] = [_generate(_sampler(model, True), *_share(2, r)) for r in range(2)]
     out.update(_waves(model, prompts, seq_index))
+    out.update(_split_forwards(model, prompts, seq_index))
     out["training_mode_kept"] = model.training
+    return out
+
+
+def _split_forwards(model, prompts, seq_index):
+    """Cached samples with forwards of more than ``SPLIT`` tokens (the prefill, history chunks)
+    run in micro-batches of rows, through Megatron's micro-batched inference path."""
+    from emapg_megatron.rollout import kv_cache_decoding as kv
+
+    wrapper = kv.GPTInferenceWrapper
+    real, calls = wrapper.forward_pass_with_pipeline_parallel_large_input_batch, []
+
+    def counted(self, inputs, *args, **kwargs):
+        calls.append(tuple(inputs["tokens"].shape))
+        return real(self, inputs, *args, **kwargs)
+
+    wrapper.forward_pass_with_pipeline_parallel_large_input_batch = counted
+    try:
+        out = {"cached_split": _generate(_sampler(model, True, max_forward_tokens=SPLIT), prompts, seq_index)}
+        sampler = _sampler(model, True, max_forward_tokens=SPLIT)
+        sampler.eos_id = None
+        out["cached_split_episodes"] = _episodes(sampler, prompts, seq_index, cut=True)
+    finally:
+        wrapper.forward_pass_with_pipeline_parallel_large_input_batch = real
+    out["split_calls"] = calls
     return out
 
 

@@ -12,6 +12,7 @@ from kv_cache_workers import (
     MAX_NEW,
     N,
     PROMPTS,
+    SPLIT,
     WAVE,
     sample_both_paths,
     sample_both_paths_te_like,
@@ -149,3 +150,14 @@ def test_model_parallel_ranks_take_the_first_ranks_environment_answers(layouts):
         for rank in layouts[layout]:
             _same(rank["cached_flaky"], good)
             _same(rank["reference_flaky"], good)
+
+
+@pytest.mark.parametrize("layout", ["tp1", "tp2", "pp2", "te"])
+def test_large_forwards_run_in_row_micro_batches_and_sample_the_same(layouts, layout):
+    """Forwards of more than ``SPLIT`` tokens (the prefill of 8 rows x 3 tokens; history chunks
+    of the multi-turn run) go through Megatron's micro-batched path: the same samples."""
+    for rank in layouts[layout]:
+        _same(rank["cached_split"], rank["reference"])
+        _same(rank["cached_split_episodes"], rank["reference_episodes_cut"])
+        assert rank["split_calls"][0] == (len(PROMPTS) * N, 3)  # the prefill
+        assert all(rows * width > SPLIT for rows, width in rank["split_calls"])

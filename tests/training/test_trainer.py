@@ -31,7 +31,10 @@ def reference(init_ckpt, tmp_path_factory):
 
 def test_anchor_starts_at_the_policy_and_rollout_logprobs_match(init_ckpt, reference, tmp_path):
     # One mini-batch per step: the first loss sees pi_theta == pi_ema exactly.
+    # The cache in waves of 5 of the 16 sequences, its prefill (5 rows x 5 prompt tokens) in row
+    # micro-batches: the sampler's log-probs must still be the trainer's.
     r = torchrun(1, ["--train-iters", "1", "--global-batch-size", "16", "--ema-stability-interval", "1",
+                     "--inference-max-requests", "5", "--inference-batch-times-seqlen-threshold", "8",
                      "--pretrained-checkpoint", init_ckpt], tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
     (first,) = metrics(tmp_path)
@@ -41,6 +44,7 @@ def test_anchor_starts_at_the_policy_and_rollout_logprobs_match(init_ckpt, refer
     expected = 1 + 0.5 - first["lr"] * 0.001 * first["ema/fisher_trace"]
     assert first["ema/stability_margin"] == pytest.approx(expected, rel=1e-9)
     assert first["rollout_logprob_diff"] < 1e-5  # sampler and trainer agree (padding excluded)
+    assert first["rollout_cache_waves"] == 4
     assert 0 < first["rollout_time_s"] < first["step_time_s"]
     assert first["rollout_tokens_per_s"] > first["tokens_per_s"] > 0
     assert reference[-1]["kl"] > 1e-5  # later the policy moves away from the anchor

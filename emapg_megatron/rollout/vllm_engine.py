@@ -386,10 +386,14 @@ class VLLMEngine:
             return self.continue_histories(histories, temperature=temperature, top_p=top_p,
                                            max_new_tokens=budgets, stop=stop, seeds=seeds)
 
+        # One vLLM engine spans the model-parallel group: its ranks must feed it the same
+        # histories, so they agree on every environment answer (a broadcast batch is agreed later).
+        shared = not self.needs_broadcast and ps.model_parallel_is_initialized()
         with self.awake():
             batch, episodes = run_episodes(continue_fn, prompts, n, envs, tokenizer=tokenizer,
                                            top_p=top_p, max_new_tokens=max_new_tokens,
-                                           seq_length=self.seq_length, pad_id=self.pad_id)
+                                           seq_length=self.seq_length, pad_id=self.pad_id,
+                                           group=ps.get_model_parallel_group() if shared else None)
         return self._agree(batch, episodes), episodes
 
 

@@ -792,8 +792,15 @@ def test_real_megatron_export_reaches_load_weights_and_model_parallel_group_agre
     assert results[0]["own"] != results[1]["own"]  # without the broadcast they would differ
 
 
-def _episodes_worker(hf: str) -> dict:
-    """TP=2 trainer, vLLM TP 1: each rank's vLLM answers differently; the group must agree."""
+class _FailingRetriever:
+    def search(self, query, k):
+        raise TimeoutError("retriever unreachable from this rank")
+
+
+def _episodes_worker(hf: str, vllm_tp: int = 1) -> dict:
+    """TP=2 trainer. vLLM TP 1: each rank's vLLM answers differently; the group must agree.
+    vLLM TP 2 (one engine over the group): rank 1's retriever fails; the group must feed the
+    engine rank 0's histories."""
     import torch.distributed as dist
 
     sys.modules["vllm"] = make_fake_vllm()
@@ -805,12 +812,12 @@ def _episodes_worker(hf: str) -> dict:
 
     rank = dist.get_rank()
     cfg = ModelConfig(**TINY)
-    engine = VLLMEngine(VLLMConfig(hf, sleep_level=1), cfg, seq_length=400, pad_id=PAD,
-                        model_chunks=[build_for_this_rank(cfg)], trainer_tp=2)
-    answer = ANSWER if rank == 0 else "<answer> someone else </answer>"
+    engine = VLLMEngine(VLLMConfig(hf, sleep_level=1, tensor_parallel_size=vllm_tp), cfg, seq_length=400,
+                        pad_id=PAD, model_chunks=[build_for_this_rank(cfg)], trainer_tp=2)
+    answer = ANSWER if rank == 0 or vllm_tp == 2 else "<answer> someone else </answer>"
     engine.llm.script = lambda ids: (answer if "<information>" in "".join(map(chr, ids)) else SEARCH)
     tok = CharTokenizer()
-    retriever = BM25Retriever(CORPUS)
+    retriever = BM25Retriever(CORPUS) if rank == 0 or vllm_tp == 1 else _FailingRetriever()
     envs = [SearchEnv(retriever, SearchConfig(max_turns=3, max_obs_tokens=200, topk=1), tokenizer=tok)
             for _ in range(2)]
     batch, episodes = engine.generate_episodes(
@@ -832,6 +839,21 @@ def test_multi_turn_rewards_score_the_broadcast_episodes(tmp_path):
     assert all("Gustave Eiffel" in t for t in r0["texts"])
     assert r1["texts"] == r0["texts"] and torch.equal(r1["tokens"], r0["tokens"])
     assert all("someone else" in t for t in r1["own"])  # what rank 1's vLLM itself produced
+
+
+@pytest.mark.slow
+def test_one_engine_over_the_group_gets_the_same_histories_when_an_environment_fails(tmp_path):
+    """vLLM TP = trainer TP: one engine spans the group, so its ranks must send it the same
+    histories. Rank 1's retriever fails (its own observation would be empty); the group takes
+    rank 0's answers after every turn, so both ranks hold rank 0's episodes."""
+    pytest.importorskip("bm25s")
+    from emapg_megatron.multiprocess import run_distributed
+
+    r0, r1 = run_distributed(_episodes_worker, world_size=2, tp=2, args=(hf_dir(tmp_path), 2),
+                             timeout=180)
+    assert all("Gustave Eiffel" in t for t in r0["texts"])
+    assert r1["texts"] == r0["texts"] and torch.equal(r1["tokens"], r0["tokens"])
+    assert r1["own"] != r0["own"]  # rank 1's environments themselves saw no passages
 
 
 def test_rank_env_for_external_launcher_without_torchrun(fake_vllm, monkeypatch, tmp_path):

@@ -273,6 +273,18 @@ def slow_thd_attention(cudnn_version: int | None, flash_attn: bool, gqa: bool) -
             f"{'9.6' if gqa else '9.1'} (not 9.10.0/9.10.1) or flash-attn")
 
 
+def local_attention_cost(budget: int, micro_batch_size: int, seq_length: int) -> str | None:
+    """Why packing on the local spec may run out of memory, or None. Its attention over a packed
+    row of T tokens holds a [T, T] mask and [heads, T, T] scores: T² per row, where a padded
+    micro-batch holds ``micro_batch_size`` x ``seq_length``² (TE's THD path holds neither)."""
+    ratio = budget**2 / (micro_batch_size * seq_length**2)
+    if ratio <= 1:
+        return None
+    return (f"--sequence-packing on the local spec: a packed row of {budget} tokens attends through "
+            f"a [T, T] block mask and scores, {ratio:.0f}x the attention memory of a padded "
+            f"micro-batch; use Transformer Engine (THD) or a smaller --max-tokens-per-microbatch")
+
+
 def model_inputs(model, mb: dict) -> dict:
     """Keyword args of ``schedule.logits_of`` for ``mb``: none for a padded micro-batch."""
     if "packing" not in mb:

@@ -59,3 +59,9 @@ def test_packed_attention_on_te_warns_when_only_the_unfused_backend_is_left(cudn
     assert (note is not None) == slow
     if slow:
         assert "unfused" in note and ("9.6" if gqa else "9.1") in note
+
+
+def test_packing_on_the_local_spec_warns_when_its_block_mask_outgrows_padding():
+    assert packing.local_attention_cost(1024, 1, 1024) is None  # one row: the padded cost
+    note = packing.local_attention_cost(8 * 1024, 8, 1024)  # the default budget, 8 rows
+    assert "8x the attention memory" in note and "--max-tokens-per-microbatch" in note

@@ -19,6 +19,7 @@ from emapg_megatron.algo.rollout_correction import ROLLOUT_IS_MODES
 from emapg_megatron.anchor.ema import EmaConfig
 from emapg_megatron.kl import LOSS_TYPE_NAMES, TOPK_TAILS
 from emapg_megatron.models.gpt import PrecisionConfig
+from emapg_megatron.rollout.kv_cache_decoding import MAX_FORWARD_TOKENS
 from emapg_megatron.rollout.vllm_engine import VLLMConfig
 from emapg_megatron.runtime import ConfigError, ParallelConfig, validate_parallel
 from emapg_megatron.trainer import KLConfig, StepConfig
@@ -161,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
            "(Megatron-LM's flag); the rest of a rank's sequences follow in later waves. Megatron's "
            "static cache is allocated whole, every position up to --seq-length, so this bounds "
            "its memory. Default: as many as fit in 80%% of the free GPU memory (all on CPU)")
-    a("--inference-batch-times-seqlen-threshold", type=int, default=16384,
+    a("--inference-batch-times-seqlen-threshold", type=int, default=MAX_FORWARD_TOKENS,
       help="built-in sampler with the KV cache: a forward of more rows x tokens than this (a long "
            "prefill of many sequences) runs in micro-batches of rows through Megatron's inference "
            "path, bounding its activation memory (Megatron-LM's flag; here at any PP size). "

@@ -15,6 +15,7 @@ from emapg_megatron.checkpoint import load_hf_weights
 from emapg_megatron.checkpoint.hf_config import model_config_from_hf, read_hf_config
 from emapg_megatron.models.gpt import build_for_this_rank
 from emapg_megatron.multiprocess import free_port
+from emapg_megatron.rollout.kv_cache_decoding import MAX_FORWARD_TOKENS
 from emapg_megatron.rollout.megatron_sampler import MegatronSampler
 from emapg_megatron.runtime import ConfigError
 from emapg_megatron.tasks.base import encode_text
@@ -31,7 +32,7 @@ class MegatronGenerationBackend:
         self.sampler = MegatronSampler(
             model_chunks, vocab_size=model_cfg.vocab_size, eos_id=tokenizer.eos_token_id,
             pad_id=tokenizer.pad_token_id or 0, seq_length=self.max_positions,
-            micro_batch_size=1, seed=seed, tokenizer=tokenizer)
+            micro_batch_size=1, seed=seed, tokenizer=tokenizer, max_forward_tokens=MAX_FORWARD_TOKENS)
         self.calls = 0
 
     def __call__(self, prompts: list[str], n: int, *, stop=None, max_new_tokens: int | None = None,

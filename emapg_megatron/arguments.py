@@ -166,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
       help="built-in sampler with the KV cache: a forward of more rows x tokens than this (a long "
            "prefill of many sequences) runs in micro-batches of rows through Megatron's inference "
            "path, bounding its activation memory (Megatron-LM's flag; here at any PP size). "
-           "-1: never split")
+           "Default %(default)s; -1: never split")
     a("--rollout-batch-size", type=int, default=8, help="prompts per trainer step (B)")
     a("--num-samples-per-prompt", type=int, default=8, help="responses per prompt (N, the GRPO group)")
     a("--max-new-tokens", type=int, default=16, help="response length limit")

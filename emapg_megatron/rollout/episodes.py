@@ -55,7 +55,7 @@ class Episode:
         self.unaligned_tokens = 0
         self.truncated = False
         self.agreed_text: str | None = None  # set by an engine that broadcasts another rank's batch
-        self.agreed_done: bool | None = None  # set by :func:`agree` to its source rank's answer
+        self.agreed_env: dict | None = None  # the source rank's env state, set by :func:`agree`
 
     @property
     def response_text(self) -> str:
@@ -66,17 +66,18 @@ class Episode:
     def room(self) -> int:
         return self.max_len - len(self.prompt_ids) - len(self.ids)
 
+    def _env(self, name: str):
+        return getattr(self.env, name) if self.agreed_env is None else self.agreed_env[name]
+
     @property
     def done(self) -> bool:
-        if self.agreed_done is not None:
-            return self.agreed_done or self.room() < 1
-        return self.env.done or self.room() < 1
+        return self._env("done") or self.room() < 1
 
     def history(self) -> list[int]:
         return self.prompt_ids + self.ids
 
     def turn_budget(self, default: int) -> int:
-        return max(0, min(self.env.max_turn_tokens or default, self.room()))
+        return max(0, min(self._env("max_turn_tokens") or default, self.room()))
 
     def add_turn(self, turn: Turn) -> None:
         before = len(self.env.segments)
@@ -107,23 +108,28 @@ class Episode:
 _AGREED = ("ids", "mask", "logprobs", "unaligned_tokens", "truncated")
 
 
-def agree(episodes: Sequence[Episode], group) -> None:
-    """Every rank of ``group`` takes its first rank's outcome of these episodes (tokens, mask,
-    log-probs, whether done, the text the reward scores), after each rank stepped its own copy
-    of their environments. Copies may answer differently (a retriever that failed on one rank
-    only), and the ranks of a model-parallel group must feed the same tokens to the same
-    forwards and train on the same batch. A no-op without a group or on one rank."""
-    if group is None or dist.get_world_size(group) == 1 or not episodes:
+def answer(episodes: Sequence[Episode], turns: Sequence[Turn], group=None) -> None:
+    """Let the environments of ``episodes`` answer ``turns``. With a model-parallel ``group``,
+    only its first rank steps them (one retriever call per sequence, not one per rank; copies
+    could also answer differently, e.g. a retriever failing on one rank) and every rank takes its
+    outcome: the group's ranks must feed the same tokens to the same forwards and train on the
+    same batch."""
+    shared = group is not None and dist.get_world_size(group) > 1
+    src = dist.get_process_group_ranks(group)[0] if shared else None
+    if not shared or dist.get_rank() == src:
+        for ep, turn in zip(episodes, turns):
+            ep.add_turn(turn)
+    if not shared or not episodes:
         return
-    src = dist.get_process_group_ranks(group)[0]
-    payload = [[({k: getattr(ep, k) for k in _AGREED}, ep.done, ep.response_text) for ep in episodes]]
+    payload = [[({k: getattr(ep, k) for k in _AGREED}, {"done": ep.env.done,
+                 "max_turn_tokens": ep.env.max_turn_tokens}, ep.response_text) for ep in episodes]]
     dist.broadcast_object_list(payload, src=src, group=group)  # our own ranks' lists, not user data
     if dist.get_rank() == src:
         return
-    for ep, (fields, done, text) in zip(episodes, payload[0]):
+    for ep, (fields, env, text) in zip(episodes, payload[0]):
         for k, v in fields.items():
             setattr(ep, k, v)
-        ep.agreed_done, ep.agreed_text = done, text
+        ep.agreed_env, ep.agreed_text = env, text
 
 
 def pack_episodes(episodes: Sequence[Episode], n: int, seq_length: int, pad_id: int) -> RolloutBatch:
@@ -153,16 +159,14 @@ def run_episodes(continue_fn: Callable[..., list[Turn]], prompts: Sequence[Seque
 
     Each round continues every unfinished episode by one model turn (at most the env's
     ``max_turn_tokens``, else ``max_new_tokens``, and never past ``seq_length``), then lets
-    its environment answer; the ranks of ``group`` then :func:`agree` on the answers. The
-    batch's loss mask is 0 on observations.
+    its environment answer (:func:`answer`: on ``group``'s first rank only). The batch's loss
+    mask is 0 on observations.
     """
     episodes = start_episodes(prompts, n, envs, tokenizer=tokenizer, top_p=top_p, seq_length=seq_length)
     turn = 0
     while active := [s for s, ep in enumerate(episodes) if not ep.done]:
         turns = continue_fn([episodes[s].history() for s in active],
                             [episodes[s].turn_budget(max_new_tokens) for s in active], active, turn)
-        for s, t in zip(active, turns):
-            episodes[s].add_turn(t)
-        agree([episodes[s] for s in active], group)
+        answer([episodes[s] for s in active], turns, group)
         turn += 1
     return pack_episodes(episodes, n, seq_length, pad_id), episodes

@@ -31,7 +31,7 @@ from emapg_megatron.rollout.engine import (
 )
 from emapg_megatron.rollout.episodes import (
     Turn,
-    agree,
+    answer,
     pack_episodes,
     run_episodes,
     start_episodes,
@@ -281,8 +281,8 @@ class MegatronSampler:
             stream.known.append(token)
             if not self._record(stream.turn, token, lp, stream.budget, stop):
                 return kv.CONTINUE
-            episodes[stream.key].add_turn(self._close(stream.turn))
-            agree([episodes[stream.key]], ps.get_model_parallel_group())  # same order on every rank
+            answer([episodes[stream.key]], [self._close(stream.turn)],  # same order on every rank
+                   ps.get_model_parallel_group())
             return kv.CONTINUE if next_turn(stream, stream.turn_index + 1) else kv.DONE
 
         streams = [next_turn(kv.Stream(s, [], 0, []), 0) for s in range(len(episodes))]

@@ -46,12 +46,16 @@ class CountingEnv:
 
 
 class FlakyEnv(CountingEnv):
-    """:class:`CountingEnv` whose copies on ranks other than 0 lose some observations (a retriever
-    that failed there): the model-parallel ranks must take rank 0's answers."""
+    """:class:`CountingEnv` whose copies on ranks other than 0 would lose some observations (a
+    retriever failing there): only rank 0 may step them, and every rank takes its answers.
+    ``steps`` counts the steps this process made."""
+
+    steps = 0
 
     def step(self, text, token_ids=None):
         import torch.distributed as dist
 
+        FlakyEnv.steps += 1
         super().step(text, token_ids)
         if dist.get_rank() != 0 and self.row % 2 == 0 and self.segments[-1].role == "observation":
             self.segments[-1] = Segment("", "observation", [])
@@ -119,6 +123,7 @@ def sample_both_paths(ckpt: str, save: bool):
         out[name + "_one_episode"] = _episodes(sampler, prompts[1:2], seq_index[2:3], cut=False, n=1)
     if save:
         out["dp2"] = [_generate(_sampler(model, True), *_share(2, r)) for r in range(2)]
+    out["flaky_env_steps"] = FlakyEnv.steps
     out.update(_waves(model, prompts, seq_index))
     out.update(_split_forwards(model, prompts, seq_index))
     out["training_mode_kept"] = model.training

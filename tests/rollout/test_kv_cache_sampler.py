@@ -142,12 +142,15 @@ def test_cache_size_per_sequence_is_what_megatron_allocates(layouts, layout):
 
 
 def test_model_parallel_ranks_take_the_first_ranks_environment_answers(layouts):
-    """A flaky environment copy (another answer on ranks other than 0) changes nothing: every
-    rank of TP=2 and PP=2, on both paths, holds what one rank samples with the good answers."""
+    """Only rank 0 of a model-parallel group steps the environments (its copies elsewhere would
+    answer differently): every rank of TP=2 and PP=2, on both paths, holds what one rank samples
+    with the good answers."""
     good = layouts["tp1"][0]["cached_episodes"]
     _same(layouts["tp1"][0]["cached_flaky"], good)
     for layout in ("tp2", "pp2"):
-        for rank in layouts[layout]:
+        first, other = layouts[layout]
+        assert first["flaky_env_steps"] > 0 and other["flaky_env_steps"] == 0
+        for rank in (first, other):
             _same(rank["cached_flaky"], good)
             _same(rank["reference_flaky"], good)
 

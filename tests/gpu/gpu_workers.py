@@ -147,6 +147,9 @@ def sampler_check() -> dict:
     waves = MegatronSampler(chunks, vocab_size=cfg.vocab_size, eos_id=None, pad_id=0, seq_length=seq,
                             micro_batch_size=8, seed=7, max_requests=5)
     b_waves = waves.generate(prompts, 4, 1.0, 1.0, new, rng_step=3)
+    split = MegatronSampler(chunks, vocab_size=cfg.vocab_size, eos_id=None, pad_id=0, seq_length=seq,
+                            micro_batch_size=8, seed=7, max_forward_tokens=8)  # prefill: 16 x 1 > 8
+    b_split = split.generate(prompts, 4, 1.0, 1.0, new, rng_step=3)
     tf1, tf_nucleus = teacher_forced(b1), teacher_forced(nucleus)
     sel = b1.loss_mask > 0
     sel_n = nucleus.loss_mask > 0
@@ -164,6 +167,7 @@ def sampler_check() -> dict:
         # top-p 0.5 renormalises over the nucleus: log pi_top-p(y) = log pi(y) - log mass >= log pi(y)
         "nucleus_minus_full": nucleus.sampling_logprobs[sel_n] - tf_nucleus[sel_n],
         **_cache_memory(chunks, seq, auto_waves, waves, b_waves, b1),
+        "split_same_responses": sum(a == b for a, b in zip(b_split.responses, b1.responses)),
     }
 
 

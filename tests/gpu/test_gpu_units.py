@@ -81,6 +81,8 @@ def test_builtin_sampler_on_cuda(units):
     assert res["bytes_per_row"] == 2 * 2 * 48 * 2 * 32 * 2
     assert res["auto_waves"] == 1 and res["max_requests_waves"] == 4 and res["max_rows_fed"] == 5
     assert res["waves_same_responses"] >= 12, res["waves_same_responses"]
+    # Forwards of more than 8 tokens (the prefill) in row micro-batches: Megatron's path on CUDA.
+    assert res["split_same_responses"] >= 12, res["split_same_responses"]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

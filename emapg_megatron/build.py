@@ -181,10 +181,22 @@ def warn_packed_attention_cost(model, model_cfg, args) -> None:
         note = packing.local_attention_cost(budget, args.micro_batch_size, args.seq_length)
     else:
         gqa = (model_cfg.num_query_groups or model_cfg.num_attention_heads) < model_cfg.num_attention_heads
-        note = packing.slow_thd_attention(torch.backends.cudnn.version(),
-                                          importlib.util.find_spec("flash_attn") is not None, gqa)
+        flash = any(importlib.util.find_spec(m) for m in ("flash_attn", "flash_attn_interface"))  # FA2, FA3
+        note = packing.slow_thd_attention(_te_cudnn_version(), flash, gqa)
     if note and dist.get_rank() == 0:
         warnings.warn(note, stacklevel=2)
+
+
+def _te_cudnn_version() -> int | None:
+    """The cuDNN that TE runs, as ``major * 10000 + minor * 100 + patch`` (TE's own query; else
+    the one PyTorch loaded)."""
+    try:
+        from transformer_engine.pytorch.utils import get_cudnn_version
+
+        major, minor, patch = get_cudnn_version()
+        return major * 10000 + minor * 100 + patch
+    except Exception:  # an older TE without the query, or no TE: PyTorch's cuDNN
+        return torch.backends.cudnn.version()
 
 
 def build_rollout_engine(args, chunks, model_cfg, tokenizer):

@@ -211,6 +211,8 @@ class StepConfig:
             raise ConfigError("--advantage-norm group needs --num-samples-per-prompt >= 2")
         if self.ppo_epochs < 1:
             raise ConfigError(f"--ppo-epochs must be >= 1 (got {self.ppo_epochs})")
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"--max-new-tokens must be >= 1 (got {self.max_new_tokens})")
         if self.max_tokens_per_microbatch is not None:
             if not self.sequence_packing:
                 raise ConfigError("--max-tokens-per-microbatch is the budget of --sequence-packing")

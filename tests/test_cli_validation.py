@@ -76,6 +76,7 @@ def test_cli_subprocess_exit_code():
     (["--rollout-is", "mis", "--rollout-is-threshold-lower", "1.5"], 2, "must be in [0, 1)"),
     (["--rollout-is", "tis", "--temperature", "0.7"], 2, "it needs --temperature 1 --top-p 1"),
     (["--rollout-is", "mis", "--rollout-is-threshold", "5", "--rollout-is-threshold-lower", "0.2"], 2, None),
+    (["--max-new-tokens", "0"], 2, "--max-new-tokens must be >= 1 (got 0)"),
     (["--inference-max-requests", "0"], 2, "--inference-max-requests must be >= 1 (got 0)"),
     (["--inference-max-requests", "4"], 2, None),
     (["--inference-batch-times-seqlen-threshold", "0"], 2,

@@ -55,7 +55,7 @@ class Episode:
         self.unaligned_tokens = 0
         self.truncated = False
         self.agreed_text: str | None = None  # set by an engine that broadcasts another rank's batch
-        self.agreed_env: dict | None = None  # the source rank's env state, set by :func:`agree`
+        self.agreed_env: dict | None = None  # the source rank's env state, set by :func:`answer`
 
     @property
     def response_text(self) -> str:
@@ -115,15 +115,25 @@ def answer(episodes: Sequence[Episode], turns: Sequence[Turn], group=None) -> No
     outcome: the group's ranks must feed the same tokens to the same forwards and train on the
     same batch."""
     shared = group is not None and dist.get_world_size(group) > 1
-    src = dist.get_process_group_ranks(group)[0] if shared else None
-    if not shared or dist.get_rank() == src:
+    if not shared:
         for ep, turn in zip(episodes, turns):
             ep.add_turn(turn)
-    if not shared or not episodes:
         return
-    payload = [[({k: getattr(ep, k) for k in _AGREED}, {"done": ep.env.done,
-                 "max_turn_tokens": ep.env.max_turn_tokens}, ep.response_text) for ep in episodes]]
+    src = dist.get_process_group_ranks(group)[0]
+    payload: list = [None]
+    if dist.get_rank() == src:
+        try:
+            for ep, turn in zip(episodes, turns):
+                ep.add_turn(turn)
+            payload = [[({k: getattr(ep, k) for k in _AGREED}, {"done": ep.env.done,
+                         "max_turn_tokens": ep.env.max_turn_tokens}, ep.response_text)
+                        for ep in episodes]]
+        except Exception as e:  # the other ranks wait for this broadcast: tell them, then raise
+            dist.broadcast_object_list([f"{type(e).__name__}: {e}"], src=src, group=group)
+            raise
     dist.broadcast_object_list(payload, src=src, group=group)  # our own ranks' lists, not user data
+    if isinstance(payload[0], str):
+        raise RuntimeError(f"an environment failed on rank {src} of this model-parallel group: {payload[0]}")
     if dist.get_rank() == src:
         return
     for ep, (fields, env, text) in zip(episodes, payload[0]):

@@ -273,7 +273,8 @@ class MegatronSampler:
                                                      budget)[0].tolist()
                     stream.turn = Turn([], [], "")
                     return stream
-                ep.add_turn(self._close(Turn([], [], "")))  # as the reference: an empty turn
+                empty = self._close(Turn([], [], ""))  # as the reference: an empty turn
+                answer([ep], [empty], ps.get_model_parallel_group())
                 turn_index += 1
             return None
 

@@ -9,7 +9,6 @@ scalars); full logits exist only inside one micro-batch's forward pass on the la
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 
@@ -365,11 +364,12 @@ class Trainer:
 
     def _width_multiple(self) -> int:
         """What a batch's width is a multiple of: TP under sequence parallelism (it splits the
-        width over TP ranks), and 8 under FP8 (its GEMMs need token counts that are multiples of
-        8; a rollout is already, but a batch re-laid after the DP exchange must stay so)."""
+        width over TP ranks), times 8 under FP8 (its GEMMs need token counts per rank that are
+        multiples of 8; rollouts are trimmed to a multiple of 8 only, and a batch re-laid after
+        the DP exchange is trimmed to its own longest sequence)."""
         cfg = get_model_config(self.model_chunks[0])
         tp = ps.get_tensor_model_parallel_world_size() if cfg.sequence_parallel else 1
-        return math.lcm(tp, 8) if cfg.fp8 else tp
+        return 8 * tp if cfg.fp8 else tp
 
     def packing_plan(self, batch: dict):
         """With --sequence-packing, the plan that packs ``batch`` under the token budget (the same

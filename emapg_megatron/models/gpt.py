@@ -186,8 +186,10 @@ def validate_precision(prec: PrecisionConfig, device_type: str) -> None:
 def validate_fp8_shapes(cfg: ModelConfig, tp: int, seq_length: int, sequence_parallel: bool = False) -> None:
     """FP8 GEMMs need the token dimension a multiple of 8 and the weight dimensions of 16.
 
-    Every pass feeds whole ``seq_length`` rows, so a multiple of 8 there (per rank under sequence
-    parallelism) makes every micro-batch's token count one, whatever its number of rows.
+    A multiple of 8 in ``seq_length`` (per rank under sequence parallelism) leaves room for the
+    widths the passes use: the trainer pads each batch to 8 tokens per rank
+    (``Trainer._width_multiple``), which never exceeds ``seq_length``, and packed rows are
+    multiples of 8 x TP.
     """
     local = seq_length // tp if sequence_parallel else seq_length
     if local % 8:

@@ -23,3 +23,19 @@ def test_width_never_exceeds_seq_length():
     assert batch.tokens.shape == (1, 10)
     with pytest.raises(ValueError, match="exceeds --seq-length 9"):
         build_rollout_batch(PROMPTS[:1], [[7] * 7], [[0.0] * 7], seq_length=9, pad_id=0, n=1)
+
+
+@pytest.mark.parametrize("sp, fp8, expected", [
+    (False, None, 1), (True, None, 2),   # sequence parallelism splits the width over TP=2
+    (False, "hybrid", 8), (True, "hybrid", 16),  # FP8: 8 tokens per rank
+])
+def test_the_trainer_pads_batch_widths_for_sequence_parallelism_and_fp8(monkeypatch, sp, fp8, expected):
+    from types import SimpleNamespace
+
+    from megatron.core import parallel_state as ps
+
+    from emapg_megatron.trainer import Trainer
+
+    monkeypatch.setattr(ps, "get_tensor_model_parallel_world_size", lambda: 2)
+    model = SimpleNamespace(config=SimpleNamespace(sequence_parallel=sp, fp8=fp8))
+    assert Trainer._width_multiple(SimpleNamespace(model_chunks=[model])) == expected

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from transformers import AutoTokenizer
 
-from emapg_megatron import arguments, cpu_device
+from emapg_megatron import arguments, runtime
 from emapg_megatron.anchor import EmaAnchor, StabilityMonitor
 from emapg_megatron.checkpoint import load_hf_weights
 from emapg_megatron.checkpoint.hf_config import model_config_from_hf, read_hf_config
@@ -35,7 +35,7 @@ from emapg_megatron.rollout.megatron_sampler import MegatronSampler
 from emapg_megatron.runtime import ConfigError
 from emapg_megatron.tasks import get_task
 from emapg_megatron.tasks.synthetic import CharTokenizer, CopyTask
-from emapg_megatron.trainer import PolicyPasses, Trainer
+from emapg_megatron.trainer import PolicyPasses, StepConfig, Trainer
 from emapg_megatron.training import packing
 from emapg_megatron.training.checkpoint_verify import load_verified
 from emapg_megatron.training.model_and_optimizer import (
@@ -158,7 +158,7 @@ def build_run(args, cfg: arguments.ComponentConfigs, tokenizer, task, model_cfg,
         lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay, end_wd=args.weight_decay,
         wd_incr_steps=args.train_iters, wd_incr_style="constant")
     if args.sequence_packing:
-        warn_packed_attention_cost(chunks[0], model_cfg, args)
+        warn_packed_attention_cost(chunks[0], model_cfg, cfg.step)
     anchor = EmaAnchor(chunks, optimizer, cfg.ema)
     sampler = build_rollout_engine(args, chunks, model_cfg, tokenizer)
     passes = PolicyPasses(cfg.kl, cfg.loss, model_cfg.vocab_size,
@@ -171,14 +171,14 @@ def build_run(args, cfg: arguments.ComponentConfigs, tokenizer, task, model_cfg,
                    rollout_batch_size=args.rollout_batch_size)
 
 
-def warn_packed_attention_cost(model, model_cfg, args) -> None:
+def warn_packed_attention_cost(model, model_cfg, step: StepConfig) -> None:
     """Warn once, on a GPU, if packed attention would be slow (TE left with its unfused backend)
     or memory-hungry (the local spec's T x T block mask over a large token budget)."""
-    if cpu_device.installed() or not torch.cuda.is_available():
+    if runtime.hardware() != "cuda":
         return  # CPU runs are small: the local spec's mask is how packing is tested there
     if has_local_attention(model):
-        budget = args.max_tokens_per_microbatch or args.micro_batch_size * args.seq_length
-        note = packing.local_attention_cost(budget, args.micro_batch_size, args.seq_length)
+        note = packing.local_attention_cost(step.token_budget(step.seq_length), step.micro_batch_size,
+                                            step.seq_length)
     else:
         gqa = (model_cfg.num_query_groups or model_cfg.num_attention_heads) < model_cfg.num_attention_heads
         flash = any(importlib.util.find_spec(m) for m in ("flash_attn", "flash_attn_interface"))  # FA2, FA3

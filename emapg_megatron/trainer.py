@@ -198,6 +198,11 @@ class StepConfig:
     seq_length: int = 0
     """Longest sequence (prompt + response); 0: the widest DP rank's batch."""
 
+    def token_budget(self, width: int) -> int:
+        """Tokens of one packed micro-batch: --max-tokens-per-microbatch, else micro_batch_size x
+        seq_length (x ``width``, the batch's own, when no --seq-length is set)."""
+        return self.max_tokens_per_microbatch or self.micro_batch_size * (self.seq_length or width)
+
     def validate(self) -> None:
         """The flags of the step, checked once (raises ConfigError with one line)."""
         if self.temperature <= 0:
@@ -376,8 +381,7 @@ class Trainer:
         number of micro-batches on every DP rank; a collective over DP), else None."""
         if not self.cfg.sequence_packing:
             return None
-        width = self.cfg.seq_length or batch["tokens"].shape[1]  # plan() takes the largest over DP
-        return packing.plan(batch, self.cfg.max_tokens_per_microbatch or self.cfg.micro_batch_size * width)
+        return packing.plan(batch, self.cfg.token_budget(batch["tokens"].shape[1]))  # largest over DP
 
     def microbatches(self, batch: dict, plan):
         """(micro-batches, merge of their per-token outputs back to ``[S, L]``): fixed-size padded

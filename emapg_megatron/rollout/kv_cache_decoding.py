@@ -44,7 +44,7 @@ from megatron.core.inference.model_inference_wrappers.inference_wrapper_config i
 )
 from megatron.core.utils import get_attr_wrapped_model, get_model_config
 
-from emapg_megatron import cpu_device, runtime
+from emapg_megatron import runtime
 from emapg_megatron.models.gpt import has_local_attention
 from emapg_megatron.rollout.episodes import Turn
 
@@ -106,7 +106,7 @@ def rows_that_fit(bytes_per_row: int, free_bytes: int) -> int:
 
 def free_device_bytes() -> int | None:
     """Free GPU memory, counting what PyTorch's allocator holds unused; None on CPU."""
-    if cpu_device.installed() or not torch.cuda.is_available():
+    if runtime.hardware() != "cuda":
         return None
     free, _ = torch.cuda.mem_get_info()
     return free + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
@@ -259,6 +259,4 @@ def _needs_restart(before: list[int], after: list[int], fed: int) -> bool:
     (the environment cut a turn after fed tokens), or it has no token left to feed. Compared
     only when the history was replaced: an append keeps the cached prefix (no O(L) copy per
     token)."""
-    if after is before:
-        return len(after) <= fed
-    return len(after) <= fed or after[:fed] != before[:fed]
+    return len(after) <= fed or (after is not before and after[:fed] != before[:fed])

@@ -61,12 +61,12 @@ class FlakyEnv(CountingEnv):
             self.segments[-1] = Segment("", "observation", [])
 
 
-def _model(ckpt: str, save: bool):
+def _model(ckpt: str, save: bool, shape: dict | None = None):
     from megatron.core import dist_checkpointing
 
     from emapg_megatron.models.gpt import build_for_this_rank
 
-    model = build_for_this_rank(ModelConfig(**TINY))
+    model = build_for_this_rank(ModelConfig(**{**TINY, **(shape or {})}))
     if save:
         os.makedirs(ckpt, exist_ok=True)
         dist_checkpointing.save(model.sharded_state_dict(), ckpt)
@@ -104,11 +104,11 @@ def _episodes(sampler, prompts, seq_index, cut: bool, n: int = N, env=CountingEn
             "rows_fed": list(sampler.rows_fed), "waves": sampler.cache_waves}
 
 
-def sample_both_paths(ckpt: str, save: bool):
+def sample_both_paths(ckpt: str, save: bool, shape: dict | None = None):
     """Cached and cache-free samples of the whole batch, single- and multi-turn; with ``save``
     (the TP=PP=1 run) also the cached samples of each rank's share at DP=2, as a DP rank
     samples them (sampling involves no data-parallel communication)."""
-    model = _model(ckpt, save)
+    model = _model(ckpt, save, shape)
     prompts, seq_index = _share(1, 0)
     out = {}
     for name, kv_cache in (("cached", True), ("reference", False)):

@@ -1,4 +1,5 @@
-"""The KV-cached sampler against the cache-free reference, at TP=1, TP=2 and PP=2.
+"""The KV-cached sampler against the cache-free reference, at TP=1, TP=2 and PP=2, on the tiny
+GQA shape and on a Qwen-like one (tied embeddings, qk-layernorm, GQA with qkv bias).
 
 With the same uniforms both paths must sample the same tokens with the same log-probs (fp32,
 up to rounding), single- and multi-turn; the cached samples must not depend on the layout;
@@ -24,16 +25,25 @@ ATOL = 1e-5
 # _flaky: environments whose copies on ranks other than 0 answer differently; rank 0's answers
 # must win on every rank (at TP=1, rank 0's are the only ones: the same as _episodes)
 RUNS = ["", "_top_p", "_episodes", "_episodes_cut", "_one_episode", "_flaky"]
+USER_SHAPE = {"tie_word_embeddings": True, "qk_layernorm": True, "add_qkv_bias": True}
+# Each multi-rank layout and the one-rank layout of the same model it must sample like.
+ONE_RANK = {"tp2": "tp1", "pp2": "tp1", "te": "tp1", "tp2_user": "tp1_user", "pp2_user": "tp1_user"}
+ALL = ["tp1", "tp1_user", *ONE_RANK]
+MODEL_PARALLEL = ["tp1", "tp2", "pp2", "tp1_user", "tp2_user", "pp2_user"]
 
 
 @pytest.fixture(scope="module")
 def layouts(tmp_path_factory):
-    """Each layout's per-rank results; TP=1 writes the weights every other layout loads."""
-    ckpt = str(tmp_path_factory.mktemp("kv") / "weights")
-    out = {"tp1": run_distributed(sample_both_paths, 1, args=(ckpt, True))}
-    out["tp2"] = run_distributed(sample_both_paths, 2, tp=2, args=(ckpt, False))
-    out["pp2"] = run_distributed(sample_both_paths, 2, pp=2, args=(ckpt, False))
-    out["te"] = run_distributed(sample_both_paths_te_like, 1, args=(ckpt,))
+    """Each layout's per-rank results; the TP=1 run of each shape writes the weights its other
+    layouts load."""
+    out = {}
+    for suffix, shape in (("", None), ("_user", USER_SHAPE)):
+        ckpt = str(tmp_path_factory.mktemp("kv") / "weights")
+        out["tp1" + suffix] = run_distributed(sample_both_paths, 1, args=(ckpt, True, shape))
+        out["tp2" + suffix] = run_distributed(sample_both_paths, 2, tp=2, args=(ckpt, False, shape))
+        out["pp2" + suffix] = run_distributed(sample_both_paths, 2, pp=2, args=(ckpt, False, shape))
+        if shape is None:
+            out["te"] = run_distributed(sample_both_paths_te_like, 1, args=(ckpt,))
     return out
 
 
@@ -45,18 +55,18 @@ def _same(a: dict, b: dict) -> None:
     torch.testing.assert_close(a["logprobs"], b["logprobs"], atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("layout", ["tp1", "tp2", "pp2", "te"])
+@pytest.mark.parametrize("layout", ALL)
 @pytest.mark.parametrize("run", RUNS)
 def test_cached_path_samples_what_the_cache_free_path_samples(layouts, layout, run):
     for rank in layouts[layout]:
         _same(rank["cached" + run], rank["reference" + run])
 
 
-@pytest.mark.parametrize("layout", ["tp2", "pp2", "te"])
+@pytest.mark.parametrize("layout", ONE_RANK)
 @pytest.mark.parametrize("run", RUNS)
 def test_cached_samples_do_not_depend_on_the_model_parallel_layout(layouts, layout, run):
     for rank in layouts[layout]:  # every rank of the model-parallel group holds the batch
-        _same(rank["cached" + run], layouts["tp1"][0]["cached" + run])
+        _same(rank["cached" + run], layouts[ONE_RANK[layout]][0]["cached" + run])
 
 
 def test_cached_samples_do_not_depend_on_the_data_parallel_layout(layouts):
@@ -104,7 +114,7 @@ def test_te_route_feeds_history_one_token_at_a_time_after_the_prefill(layouts):
     assert len(one_te) > len(one_local)  # the local spec feeds each observation as one chunk
 
 
-@pytest.mark.parametrize("layout", ["tp1", "tp2", "pp2", "te"])
+@pytest.mark.parametrize("layout", ALL)
 def test_waves_sample_what_one_cache_samples(layouts, layout):
     """At most ``WAVE`` sequences per cache, by --inference-max-requests or by free memory (which
     differs across the model-parallel ranks here: they agree on the smallest fit, else their
@@ -118,8 +128,7 @@ def test_waves_sample_what_one_cache_samples(layouts, layout):
         assert rank["cached"]["waves"] == 1
 
 
-
-@pytest.mark.parametrize("layout", ["tp1", "tp2", "pp2"])
+@pytest.mark.parametrize("layout", MODEL_PARALLEL)
 def test_no_room_for_one_sequence_is_an_error_on_every_rank(layouts, layout):
     """One rank of the model-parallel group cannot hold one sequence's cache: all of them raise
     (a rank that raised alone would leave the others waiting in the next collective)."""
@@ -129,7 +138,7 @@ def test_no_room_for_one_sequence_is_an_error_on_every_rank(layouts, layout):
         assert ("another rank" in rank["no_room"]) == (r != last)
 
 
-@pytest.mark.parametrize("layout", ["tp1", "tp2", "pp2"])
+@pytest.mark.parametrize("layout", MODEL_PARALLEL)
 def test_cache_size_per_sequence_is_what_megatron_allocates(layouts, layout):
     """``cache_bytes_per_row`` (which sizes the waves by memory) against the bytes Megatron's
     attention layers allocate on each rank: this stage's layers, this TP rank's query groups."""
@@ -137,25 +146,25 @@ def test_cache_size_per_sequence_is_what_megatron_allocates(layouts, layout):
         sizes = rank["cache_bytes"]
         assert [b for b, _ in sizes] == [rows * rank["cache_bytes_per_row"] for _, rows in sizes]
         assert [rows for _, rows in sizes] == [WAVE, WAVE, len(PROMPTS) * N - 2 * WAVE]
-        if layout != "tp1":  # half the query groups (TP=2) or half the layers (PP=2) per rank
-            assert 2 * rank["cache_bytes_per_row"] == layouts["tp1"][0]["cache_bytes_per_row"]
+        if layout in ONE_RANK:  # half the query groups (TP=2) or half the layers (PP=2) per rank
+            assert 2 * rank["cache_bytes_per_row"] == layouts[ONE_RANK[layout]][0]["cache_bytes_per_row"]
 
 
-def test_model_parallel_ranks_take_the_first_ranks_environment_answers(layouts):
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "tp2_user", "pp2_user"])
+def test_model_parallel_ranks_take_the_first_ranks_environment_answers(layouts, layout):
     """Only rank 0 of a model-parallel group steps the environments (its copies elsewhere would
     answer differently): every rank of TP=2 and PP=2, on both paths, holds what one rank samples
     with the good answers."""
-    good = layouts["tp1"][0]["cached_episodes"]
-    _same(layouts["tp1"][0]["cached_flaky"], good)
-    for layout in ("tp2", "pp2"):
-        first, other = layouts[layout]
-        assert first["flaky_env_steps"] > 0 and other["flaky_env_steps"] == 0
-        for rank in (first, other):
-            _same(rank["cached_flaky"], good)
-            _same(rank["reference_flaky"], good)
+    good = layouts[ONE_RANK[layout]][0]["cached_episodes"]
+    _same(layouts[ONE_RANK[layout]][0]["cached_flaky"], good)
+    first, other = layouts[layout]
+    assert first["flaky_env_steps"] > 0 and other["flaky_env_steps"] == 0
+    for rank in (first, other):
+        _same(rank["cached_flaky"], good)
+        _same(rank["reference_flaky"], good)
 
 
-@pytest.mark.parametrize("layout", ["tp1", "tp2", "pp2", "te"])
+@pytest.mark.parametrize("layout", ALL)
 def test_large_forwards_run_in_row_micro_batches_and_sample_the_same(layouts, layout):
     """Forwards of more than ``SPLIT`` tokens (the prefill of 8 rows x 3 tokens; history chunks
     of the multi-turn run) go through Megatron's micro-batched path: the same samples."""

@@ -10,7 +10,7 @@ CORPUS = os.path.join(os.path.dirname(TESTS), "data", "samples", "corpus.jsonl")
 # Test modules import their helpers by bare module name, also across folders
 # (``from megatron_workers import ...`` in tests/anchor, ``from tiny_hf import ...``). Put tests/
 # and every subfolder on sys.path before anything is collected, so that this does not depend on
-# which files pytest imported first. Ranks spawned by ``run_distributed`` start with the parent's
+# which files pytest imported first. Ranks started by ``run_distributed`` start with the parent's
 # sys.path and re-import their rank function's module by the same name. Module basenames are
 # therefore unique across tests/ (pytest's default "prepend" import mode requires that anyway).
 for _dir in [TESTS, *sorted(os.path.join(TESTS, d) for d in os.listdir(TESTS)

@@ -54,7 +54,7 @@ CACHE_MEMORY_FRACTION = 0.8
 #: of --inference-batch-times-seqlen-threshold.
 MAX_FORWARD_TOKENS = 16384
 
-# What an ``advance`` callback says about a row after its sampled token.
+# What an ``advance`` callback says about each row after its sampled token.
 CONTINUE, DONE, RESTART = "continue", "done", "restart"
 
 
@@ -199,14 +199,16 @@ def _output_size(model) -> int:
 
 def decode_lockstep(model, streams: list[Stream], max_len: int,
                     sample: Callable[[torch.Tensor | None, list[Stream]], tuple[list[int], list[float]]],
-                    advance: Callable[[Stream, int, float], str], *,
+                    advance: Callable[[list[Stream], list[int], list[float]], list[str]], *,
                     rows_fed: list[int] | None = None, max_forward_tokens: int | None = None) -> list[Stream]:
     """Continue ``streams`` in one cache until every one is done.
 
     ``sample(logits_or_None, due)`` draws the next token of each row in ``due`` (the same
-    answer on every rank); ``advance(stream, token, logprob)`` records it and says whether the
-    row continues (its ``known`` may grow by a whole observation), is done, or must restart in
-    a fresh cache because its new history rewrites tokens already cached. Returns the latter.
+    answer on every rank); ``advance(due, tokens, logprobs)`` records them, all of one step at
+    once (a multi-turn caller lets the environments of every turn that ended answer together),
+    and says of each row whether it continues (its ``known`` may grow by a whole observation),
+    is done, or must restart in a fresh cache because its new history rewrites tokens already
+    cached. Returns the latter.
     """
     if not streams:
         return []
@@ -245,12 +247,11 @@ def _advance_due(active: list[Stream], fed: int, logits, sample, advance) -> lis
     due = [i for i, s in enumerate(active) if len(s.known) == fed]
     if not due:
         return status
-    ids, lps = sample(None if logits is None else logits[due], [active[i] for i in due])
-    for i, tok, lp in zip(due, ids, lps):
-        known = active[i].known  # advance appends to it, or replaces it at a turn's end
-        status[i] = advance(active[i], tok, lp)
-        if status[i] == CONTINUE and _needs_restart(known, active[i].known, fed):
-            status[i] = RESTART
+    rows = [active[i] for i in due]
+    ids, lps = sample(None if logits is None else logits[due], rows)
+    known = [s.known for s in rows]  # advance appends to them, or replaces them at a turn's end
+    for i, row, before, st in zip(due, rows, known, advance(rows, ids, lps)):
+        status[i] = RESTART if st == CONTINUE and _needs_restart(before, row.known, fed) else st
     return status
 
 

@@ -141,6 +141,13 @@ class MegatronSampler:
         turn.logprobs.append(float(logprob))
         return self._finished(turn, budget, stop)
 
+    def _record_step(self, due: list[kv.Stream], tokens: list[int], lps: list[float], stop) -> list[bool]:
+        """Append each stream's sampled token to its history and its turn; True where the turn
+        is finished."""
+        for s, tok in zip(due, tokens):
+            s.known.append(tok)
+        return [self._record(s.turn, tok, lp, s.budget, stop) for s, tok, lp in zip(due, tokens, lps)]
+
     def _check_room(self, histories, budgets) -> None:
         if max((len(h) + b for h, b in zip(histories, budgets)), default=0) > self.seq_length:
             raise ValueError(f"prompt + new tokens exceed --seq-length {self.seq_length}")
@@ -199,9 +206,8 @@ class MegatronSampler:
         rows = uniforms.tolist()
         streams = [kv.Stream(s, list(h), b, rows[s]) for s, (h, b) in enumerate(zip(histories, budgets))]
 
-        def advance(stream, token, lp):
-            stream.known.append(token)
-            return kv.DONE if self._record(stream.turn, token, lp, stream.budget, stop) else kv.CONTINUE
+        def advance(due, tokens, lps):
+            return [kv.DONE if end else kv.CONTINUE for end in self._record_step(due, tokens, lps, stop)]
 
         self.rows_fed.clear()
         self.cache_waves = 0
@@ -278,13 +284,14 @@ class MegatronSampler:
                 turn_index += 1
             return None
 
-        def advance(stream, token, lp):
-            stream.known.append(token)
-            if not self._record(stream.turn, token, lp, stream.budget, stop):
-                return kv.CONTINUE
-            answer([episodes[stream.key]], [self._close(stream.turn)],  # same order on every rank
-                   ps.get_model_parallel_group())
-            return kv.CONTINUE if next_turn(stream, stream.turn_index + 1) else kv.DONE
+        def advance(due, tokens, lps):
+            ended = self._record_step(due, tokens, lps, stop)
+            over = [s for s, end in zip(due, ended) if end]
+            if over:  # the step's finished turns answer together: one agreement, same order
+                answer([episodes[s.key] for s in over], [self._close(s.turn) for s in over],
+                       ps.get_model_parallel_group())
+            return [kv.CONTINUE if not end or next_turn(s, s.turn_index + 1) else kv.DONE
+                    for s, end in zip(due, ended)]
 
         streams = [next_turn(kv.Stream(s, [], 0, []), 0) for s in range(len(episodes))]
         streams = [s for s in streams if s is not None]

@@ -97,11 +97,27 @@ def _generate(sampler, prompts, seq_index, temperature=1.0, top_p=1.0):
 
 
 def _episodes(sampler, prompts, seq_index, cut: bool, n: int = N, env=CountingEnv):
+    """Multi-turn samples; ``answers``: the turns each environment agreement of the cached path
+    covered (the reference agrees in its own rounds)."""
+    from emapg_megatron.rollout import megatron_sampler
+
     envs = [env(i, cut=cut and i % 3 == 1) for i in seq_index]
-    batch, _ = sampler.generate_episodes(prompts, n, envs, tokenizer=None, temperature=1.0, top_p=1.0,
-                                         max_new_tokens=MAX_NEW, rng_step=5, seq_index=seq_index)
+    real, answers = megatron_sampler.answer, []
+
+    def counted(episodes, turns, group=None):
+        answers.append(len(turns))
+        return real(episodes, turns, group)
+
+    megatron_sampler.answer = counted
+    try:
+        batch, _ = sampler.generate_episodes(prompts, n, envs, tokenizer=None, temperature=1.0,
+                                             top_p=1.0, max_new_tokens=MAX_NEW, rng_step=5,
+                                             seq_index=seq_index)
+    finally:
+        megatron_sampler.answer = real
     return {"tokens": batch.tokens, "loss_mask": batch.loss_mask, "logprobs": batch.sampling_logprobs,
-            "rows_fed": list(sampler.rows_fed), "waves": sampler.cache_waves}
+            "rows_fed": list(sampler.rows_fed), "waves": sampler.cache_waves, "answers": answers,
+            "turns": sum(e.turns for e in envs)}
 
 
 def sample_both_paths(ckpt: str, save: bool, shape: dict | None = None):

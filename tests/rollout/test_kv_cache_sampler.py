@@ -101,6 +101,21 @@ def test_episodes_feed_observations_into_the_cache_and_restart_only_on_rewrites(
     assert rank["training_mode_kept"]
 
 
+@pytest.mark.parametrize("layout", ALL)
+def test_turns_ending_at_one_step_are_answered_together(layouts, layout):
+    """Every model turn is answered exactly once, and the environments of all turns that end
+    at one decoding step answer in one agreement (one broadcast over the model-parallel group)
+    instead of one each: at most one agreement per cached forward. (Only the group's first
+    rank, rank 0, steps environments: its count of turns is the group's.)"""
+    first = layouts[layout][0]
+    for rank in layouts[layout]:
+        for run in ("_episodes", "_episodes_cut", "_flaky", "_one_episode"):
+            got = rank["cached" + run]
+            assert sum(got["answers"]) == first["cached" + run]["turns"] == first["reference" + run]["turns"]
+            assert len(got["answers"]) <= len(got["rows_fed"])
+        assert len(rank["cached_episodes"]["answers"]) < first["cached_episodes"]["turns"]
+
+
 def test_te_route_feeds_history_one_token_at_a_time_after_the_prefill(layouts):
     """With Transformer Engine's attention (a CPU stand-in that, like TE, drops an explicit mask:
     Megatron gives it no mask once the cache holds tokens), chunks after the prefill would see

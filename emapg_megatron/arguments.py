@@ -22,6 +22,7 @@ from emapg_megatron.models.gpt import PrecisionConfig
 from emapg_megatron.rollout.kv_cache_decoding import MAX_FORWARD_TOKENS
 from emapg_megatron.rollout.vllm_engine import VLLMConfig
 from emapg_megatron.runtime import ConfigError, ParallelConfig, validate_parallel
+from emapg_megatron.tasks.search import SearchConfig
 from emapg_megatron.trainer import KLConfig, StepConfig
 from emapg_megatron.training.model_and_optimizer import OptimConfig
 
@@ -35,12 +36,26 @@ def _groups(p: argparse.ArgumentParser):
         "rollout", "task", "vllm", "grpo", "kl", "ema")}
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends "(default: X)" unless the help text already says what the default is, or there
+    is none (an unset optional flag)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text.lower() or action.default is None:
+            return text
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="emapg-train",
         description="EMA Policy Gradient / GRPO on Megatron-Core. Launch with "
-                    "`torchrun --nproc_per_node N -m emapg_megatron.train ...`.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                    "`torchrun --nproc_per_node N -m emapg_megatron.train ...`. The defaults of the "
+                    "model and KL flags are a real LM's; for a first run on a CPU, use "
+                    "--preset tiny-cpu. Megatron-LM's names for the same settings are accepted "
+                    "(--grpo-group-size, --grpo-kl-beta, ...).",
+        formatter_class=_HelpFormatter,
     )
     g = _groups(p)
     a = g["run"].add_argument
@@ -49,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--dry-run", action="store_true",
       help="validate everything, print the resolved config and the parallel layout, then exit")
     a("--world-size", type=int, default=None,
-      help="world size to validate a --dry-run against (default: $WORLD_SIZE or 1)")
+      help="world size to validate a --dry-run against (default: $WORLD_SIZE or 1); a real run "
+           "launched by torchrun with another $WORLD_SIZE is refused")
     a("--task", default="synthetic-copy", choices=TASKS, help="RL task providing prompts and rewards")
     a("--data-path", default=None, help="local parquet/jsonl training data (math and search tasks)")
     a("--long-prompts", default="error", choices=("error", "drop"),
@@ -60,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--train-iters", type=int, default=100,
       help="total trainer steps; a run resumed with --load continues up to this total")
     a("--max-skipped-steps", type=int, default=10,
-      help="stop after this many steps skipped for a NaN/inf loss or gradient")
+      help="the run stops when more than this many steps (counted across resumes) were skipped "
+           "for a NaN/inf loss or gradient")
 
     a = g["parallel"].add_argument
     a("--tensor-model-parallel-size", type=int, default=1, help="TP degree (vocab-sharded logits)")
@@ -81,7 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
     a("--hidden-size", type=int, default=64, help="model width")
     a("--ffn-hidden-size", type=int, default=128, help="SwiGLU inner width")
     a("--num-attention-heads", type=int, default=4, help="query heads")
-    a("--num-query-groups", type=int, default=None, help="key/value heads (GQA); default = heads")
+    a("--num-query-groups", type=int, default=None,
+      help="key/value heads (GQA); default: as many as query heads, or 1 with --group-query-attention")
+    a("--group-query-attention", action="store_true",
+      help="Megatron-LM's GQA switch: --num-query-groups sets the groups (1 when not given); "
+           "--num-query-groups alone also works")
     a("--kv-channels", type=int, default=None, help="head dim; default hidden/heads")
     a("--max-position-embeddings", type=int, default=256, help="RoPE table length")
     a("--seq-length", type=int, default=64, help="maximum prompt + response length in tokens")
@@ -101,14 +122,18 @@ def build_parser() -> argparse.ArgumentParser:
     a("--load-hf", default=None,
       help="initialise weights, model shape and tokenizer from a Hugging Face checkpoint directory")
     a("--pretrained-checkpoint", default=None,
-      help="initialise weights from a Megatron dist checkpoint (e.g. from emapg-convert), any TP/PP")
+      help="initialise weights from a Megatron dist checkpoint (e.g. from emapg-convert), any "
+           "TP/PP; the model flags must describe its architecture (checked against the one it "
+           "stores)")
 
     a = g["precision"].add_argument
     a("--bf16", action="store_true", help="bf16 weights and activations, fp32 main params")
     a("--transformer-impl", default="auto", choices=("auto", "local", "transformer_engine"),
       help="layer implementation: Megatron's local spec (CPU and GPU), Transformer Engine's "
            "(GPU; needed for FP8), or auto: TE on a GPU when it imports, else local")
-    a("--fp8-format", default=None, choices=("e4m3", "hybrid"), help="FP8 via Transformer Engine")
+    a("--fp8-format", default=None, choices=("e4m3", "hybrid"),
+      help="FP8 GEMMs via Transformer Engine (needs --bf16 and a Hopper GPU): e4m3 everywhere, or "
+           "hybrid: e4m3 forward, e5m2 gradients")
     a("--fp8-recipe", default="delayed", choices=("delayed", "tensorwise", "blockwise"),
       help="FP8 scaling recipe")
 
@@ -119,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
       help="learning-rate schedule after warm-up")
     a("--lr-warmup-iters", type=int, default=0, help="linear warm-up steps")
     a("--lr-warmup-fraction", type=float, default=None,
-      help="warm-up as a fraction of --train-iters (overrides --lr-warmup-iters)")
+      help="warm-up as a fraction of --train-iters, in [0, 1) (instead of --lr-warmup-iters)")
     a("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
     a("--adam-beta1", type=float, default=0.9, help="Adam beta1")
     a("--adam-beta2", type=float, default=0.999, help="Adam beta2")
@@ -165,21 +190,28 @@ def build_parser() -> argparse.ArgumentParser:
     a("--inference-batch-times-seqlen-threshold", type=int, default=MAX_FORWARD_TOKENS,
       help="built-in sampler with the KV cache: a forward of more rows x tokens than this (a long "
            "prefill of many sequences) runs in micro-batches of rows through Megatron's inference "
-           "path, bounding its activation memory (Megatron-LM's flag; here at any PP size). "
-           "Default %(default)s; -1: never split")
-    a("--rollout-batch-size", type=int, default=8, help="prompts per trainer step (B)")
-    a("--num-samples-per-prompt", type=int, default=8, help="responses per prompt (N, the GRPO group)")
-    a("--max-new-tokens", type=int, default=16, help="response length limit")
-    a("--temperature", type=float, default=1.0, help="sampling temperature")
+           "path, bounding its activation memory (Megatron-LM's flag; here at any PP size, and "
+           "on by default, where Megatron-LM's default -1 is off). Default %(default)s; -1: never "
+           "split")
+    a("--rollout-batch-size", "--grpo-prompts-per-step", dest="rollout_batch_size", type=int,
+      default=8, help="prompts per trainer step (B)")
+    a("--num-samples-per-prompt", "--grpo-group-size", dest="num_samples_per_prompt", type=int,
+      default=8, help="responses per prompt (N, the GRPO group)")
+    a("--max-new-tokens", type=int, default=16,
+      help="response length limit (--task search: each model turn has --max-turn-tokens instead)")
+    a("--temperature", type=float, default=1.0, help="sampling temperature (> 0)")
     a("--top-p", type=float, default=1.0,
-      help="nucleus sampling; < 1 biases the KL estimators unless the sampling log-prob is used")
+      help="nucleus sampling threshold in (0, 1]; the KL estimators' importance weights use the "
+           "sampler's own (truncated) log-probs, so they stay consistent, but the samples no longer "
+           "come from the policy (see docs/kl.md)")
 
     a = g["task"].add_argument
     a("--chat-template", default="auto", choices=("auto", "always", "never"),
       help="wrap prompts in the tokenizer's chat template (auto: when it has one)")
     a("--math-format-bonus", type=float, default=0.0, help="math: reward bonus for a boxed answer")
-    a("--max-turns", type=int, default=4, help="search: model turns per episode")
-    a("--max-turn-tokens", type=int, default=500, help="search: token budget of one model turn")
+    a("--max-turns", type=int, default=SearchConfig.max_turns, help="search: model turns per episode")
+    a("--max-turn-tokens", type=int, default=500,
+      help="search: token budget of one model turn (0: --max-new-tokens)")
     a("--max-obs-tokens", type=int, default=500, help="search: token budget of one observation")
     a("--retriever", default=None,
       help="search: corpus jsonl (in-process BM25) or http:// URL of a retriever service")
@@ -200,13 +232,17 @@ def build_parser() -> argparse.ArgumentParser:
     a("--advantage-norm", default="group", choices=("group", "global", "none"),
       help="group: (R-mean)/std per prompt; global: z-score over the batch; none: R-mean only")
     a("--advantage-eps", type=float, default=1e-6, help="epsilon added to the std")
-    a("--ppo-epochs", type=int, default=1, help="passes over the rollout batch (Lambda)")
-    a("--clip-eps-low", type=float, default=0.2, help="PPO clip epsilon below 1")
-    a("--clip-eps-high", type=float, default=0.28, help="PPO clip epsilon above 1 (clip-higher)")
+    a("--ppo-epochs", "--grpo-iterations", dest="ppo_epochs", type=int, default=1,
+      help="passes over the rollout batch (Lambda)")
+    a("--clip-eps-low", "--grpo-clamp-eps-lower", dest="clip_eps_low", type=float, default=0.2,
+      help="PPO clip epsilon below 1")
+    a("--clip-eps-high", "--grpo-clamp-eps-upper", dest="clip_eps_high", type=float, default=0.28,
+      help="PPO clip epsilon above 1 (clip-higher)")
     a("--loss-agg-mode", default="token-mean",
       choices=("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"),
       help="how per-token losses are averaged over the batch")
-    a("--entropy-coef", type=float, default=0.0, help="entropy bonus coefficient")
+    a("--entropy-coef", "--grpo-entropy-term-weight", dest="entropy_coef", type=float, default=0.0,
+      help="entropy bonus coefficient")
     a("--rollout-is", default="none", choices=ROLLOUT_IS_MODES,
       help="correct the PPO term for the rollout engine's log-probs differing from the trainer's: "
            "tis truncates the per-token ratio pi_old/pi_sampling at the threshold; mis (IcePop) "
@@ -228,8 +264,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--kl-tail", default="unbiased", choices=TOPK_TAILS,
       help="Top-k tail: unbiased (corrected gradient), paper (Algorithms 1/2 as printed), none")
     a("--kl-iw-clip", type=float, nargs=2, default=None, metavar=("MIN", "MAX"),
-      help="clip the off-policy importance weight pi/pi_sampling of the KL tail")
-    a("--kl-coef", type=float, default=0.001, help="beta: weight of the token-level KL loss")
+      help="clip the importance weight pi/pi_sampling of the sampled KL terms: the Top-k "
+           "estimators' tail (no effect with --kl-tail none) and the sampled k1..k5 estimators")
+    a("--kl-coef", "--grpo-kl-beta", dest="kl_coef", type=float, default=0.001,
+      help="beta: weight of the token-level KL loss")
     a("--fused-lm-head", action=argparse.BooleanOptionalAction, default=True,
       help="compute the old, anchor and loss passes' log-probs, top-k and entropy from the final "
            "hidden states and the output weight, chunk by chunk, never holding the logits "
@@ -326,13 +364,17 @@ def validate(args: argparse.Namespace, world_size: int, cfg: ComponentConfigs | 
 
     A ``--dry-run`` skips only the checks that need the target hardware (GPU present).
     """
+    for dest, low in AT_LEAST.items():  # first: later checks divide by some of them
+        value = getattr(args, dest)
+        _check(value is None or value >= low, f"--{dest.replace('_', '-')} must be >= {low} (got {value})")
     cfg = cfg or component_configs(args)
     validate_parallel(cfg.parallel, world_size, check_devices=not args.dry_run)
+    cfg.optim.validate()
     cfg.ema.validate(args.use_distributed_optimizer)
     cfg.kl.validate()
     cfg.loss.validate()
     cfg.step.validate()
-    _check(args.train_iters >= 1, f"--train-iters must be >= 1 (got {args.train_iters})")
+    _validate_schedule(args)
     _check(args.vocab_size is None or args.load_hf is None,
            "--vocab-size is for a randomly initialised model: --load-hf sets the vocabulary")
     _check(args.vocab_size is None or args.vocab_size >= 13,
@@ -360,6 +402,9 @@ def validate(args: argparse.Namespace, world_size: int, cfg: ComponentConfigs | 
     _check(args.task != "search" or args.retriever is not None, "--task search needs --retriever")
     _check(args.rollout_engine != "vllm" or args.load_hf is not None,
            "--rollout-engine vllm needs --load-hf (vLLM reads the tokenizer and config from it)")
+    _check(args.rollout_engine != "vllm" or args.device != "cpu",
+           "--rollout-engine vllm needs a GPU: drop --device cpu, or sample with the built-in "
+           "--rollout-engine megatron")
     _check(args.max_turns >= 1, "--max-turns must be >= 1")
     _check(args.inference_max_requests is None or args.inference_max_requests >= 1,
            f"--inference-max-requests must be >= 1 (got {args.inference_max_requests})")
@@ -370,6 +415,23 @@ def validate(args: argparse.Namespace, world_size: int, cfg: ComponentConfigs | 
            "--rollout-is compares the engine's log-probs with the trainer's, which are taken at "
            "temperature 1 without top-p: it needs --temperature 1 --top-p 1")
     _validate_vllm(args)
+
+
+#: Integer flags and their smallest valid value (None, where allowed, means "not set").
+AT_LEAST = {"train_iters": 1, "micro_batch_size": 1, "global_batch_size": 1, "num_layers": 1,
+            "hidden_size": 1, "num_attention_heads": 1, "num_query_groups": 1, "seq_length": 2,
+            "make_vocab_size_divisible_by": 1, "log_interval": 1, "save_interval": 0,
+            "max_skipped_steps": 0, "lr_warmup_iters": 0}
+
+
+def _validate_schedule(args) -> None:
+    """The learning-rate schedule's flags, as Megatron's OptimizerParamScheduler asserts them."""
+    _check(args.lr_warmup_fraction is None or args.lr_warmup_iters == 0,
+           "give --lr-warmup-iters or --lr-warmup-fraction, not both")
+    _check(args.lr_warmup_fraction is None or 0.0 <= args.lr_warmup_fraction < 1.0,
+           f"--lr-warmup-fraction must be in [0, 1) (got {args.lr_warmup_fraction})")
+    _check(args.lr_warmup_iters < args.train_iters,
+           f"--lr-warmup-iters {args.lr_warmup_iters} must be below --train-iters {args.train_iters}")
 
 
 def _validate_vllm(args) -> None:

@@ -22,6 +22,7 @@ from transformers import AutoTokenizer
 from emapg_megatron import arguments, runtime
 from emapg_megatron.anchor import EmaAnchor, StabilityMonitor
 from emapg_megatron.checkpoint import load_hf_weights
+from emapg_megatron.checkpoint.convert import METADATA, checkpoint_model_config
 from emapg_megatron.checkpoint.hf_config import model_config_from_hf, read_hf_config
 from emapg_megatron.models.gpt import (
     ModelConfig,
@@ -115,23 +116,66 @@ def model_config(args):
     return arguments.component_config(
         ModelConfig, args, vocab_size=args.vocab_size or CharTokenizer().vocab_size,
         max_position_embeddings=max(args.max_position_embeddings, args.seq_length),
-        tie_word_embeddings=not args.untie_embeddings_and_output_weights)
+        tie_word_embeddings=not args.untie_embeddings_and_output_weights,
+        num_query_groups=args.num_query_groups or (1 if args.group_query_attention else None))
 
 
 def world_size_from_env(args) -> int:
-    return int(os.environ.get("WORLD_SIZE", args.world_size or 1))
+    """--world-size when given (what a --dry-run validates), else $WORLD_SIZE, else 1. A real
+    run whose launcher set another $WORLD_SIZE is refused: the flag would validate a layout
+    that does not run."""
+    env = os.environ.get("WORLD_SIZE")
+    if args.world_size is None:
+        return int(env or 1)
+    if env is not None and not args.dry_run and int(env) != args.world_size:
+        raise ConfigError(f"--world-size {args.world_size} but this run has {env} processes "
+                          "($WORLD_SIZE): drop --world-size, which is for --dry-run")
+    return args.world_size
+
+
+#: ModelConfig fields that fix the weights' shapes and meaning (not the RoPE table length or
+#: the vocabulary padding, which a load may change).
+ARCHITECTURE = ("vocab_size", "hidden_size", "ffn_hidden_size", "num_layers", "num_attention_heads",
+                "num_query_groups", "kv_channels", "rotary_base", "rope_scaling_factor",
+                "norm_epsilon", "add_qkv_bias", "qk_layernorm", "tie_word_embeddings")
+
+
+def _resolved(cfg, name: str):
+    """A field with its None default resolved as the model build resolves it."""
+    if name == "num_query_groups":
+        return cfg.num_query_groups or cfg.num_attention_heads
+    if name == "kv_channels":
+        return cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads
+    return getattr(cfg, name)
+
+
+def check_pretrained_architecture(model_cfg, path: str) -> None:
+    """--pretrained-checkpoint must hold the architecture the flags (or --load-hf) build, as
+    the model config it stores says. A checkpoint without one (not written here) is not checked
+    before the load, which then fails on any shape that differs."""
+    if not os.path.isfile(os.path.join(path, METADATA)):
+        return
+    stored = checkpoint_model_config(path)
+    differ = [f"{name}: checkpoint {_resolved(stored, name)!r}, run {_resolved(model_cfg, name)!r}"
+              for name in ARCHITECTURE if _resolved(stored, name) != _resolved(model_cfg, name)]
+    if differ:
+        raise ConfigError(f"--pretrained-checkpoint {path} holds another architecture than this run "
+                          f"builds ({'; '.join(differ)}): pass the model flags it was made with, or "
+                          "--load-hf of the model it came from")
 
 
 def validate_model(args, configs: arguments.ComponentConfigs, model_cfg) -> None:
     model_cfg.validate(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
     if arguments.topk_k(args) > model_cfg.vocab_size:
         raise ConfigError(f"--kl-topk-tokens {args.kl_topk_tokens} exceeds the vocabulary "
-                          f"({model_cfg.vocab_size})")
+                          f"({model_cfg.vocab_size}): use at most {model_cfg.vocab_size} (that many is "
+                          "the exact KL); the synthetic task's first run is --preset tiny-cpu")
     if args.fp8_format is not None:
         validate_fp8_shapes(model_cfg, args.tensor_model_parallel_size, args.seq_length,
                             args.sequence_parallel)
-    if not args.dry_run:
-        validate_precision(configs.precision, configs.parallel.resolved_device())
+    validate_precision(configs.precision, configs.parallel.resolved_device(), hardware=not args.dry_run)
+    if args.pretrained_checkpoint:
+        check_pretrained_architecture(model_cfg, args.pretrained_checkpoint)
 
 
 def layout(args, world: int) -> dict:

@@ -82,6 +82,24 @@ def test_cli_subprocess_exit_code():
     (["--inference-batch-times-seqlen-threshold", "0"], 2,
      "--inference-batch-times-seqlen-threshold must be >= 1 or -1 (got 0)"),
     (["--inference-batch-times-seqlen-threshold", "-1"], 2, None),
+    # values Megatron would assert on (or divide by) later, after the process group exists
+    (["--micro-batch-size", "0"], 2, "--micro-batch-size must be >= 1 (got 0)"),
+    (["--global-batch-size", "0"], 2, "--global-batch-size must be >= 1 (got 0)"),
+    (["--log-interval", "0"], 2, "--log-interval must be >= 1 (got 0)"),
+    (["--num-layers", "0"], 2, "--num-layers must be >= 1 (got 0)"),
+    (["--make-vocab-size-divisible-by", "0"], 2, "--make-vocab-size-divisible-by must be >= 1 (got 0)"),
+    (["--lr-warmup-iters", "150"], 2, "--lr-warmup-iters 150 must be below --train-iters 150"),
+    (["--lr-warmup-fraction", "1.0"], 2, "--lr-warmup-fraction must be in [0, 1) (got 1.0)"),
+    (["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "5"], 2, "not both"),
+    (["--lr-warmup-fraction", "0.1"], 2, None),
+    (["--min-lr", "0.01"], 2, "need 0 <= --min-lr <= --lr (got 0.01, 0.002)"),
+    (["--weight-decay", "-1"], 2, "--weight-decay must be >= 0 (got -1.0)"),
+    (["--adam-beta2", "1.0"], 2, "--adam-beta1 and --adam-beta2 must be in [0, 1)"),
+    (["--lr", "nan"], 2, "must be finite"),
+    (["--rollout-engine", "vllm", "--load-hf", "/tmp"], 2, "--rollout-engine vllm needs a GPU"),
+    # hardware-free precision checks run in a dry run too
+    (["--bf16", "--fp8-format", "hybrid", "--make-vocab-size-divisible-by", "16",
+      "--transformer-impl", "local"], 2, "drop --transformer-impl local"),
 ])
 def test_bad_input_is_one_clear_line(argv, world, message):
     r = run_cli(*argv, env_world=world)
@@ -122,6 +140,60 @@ def test_help_explains_every_flag():
     for action in build_parser()._actions:
         if action.option_strings and action.dest != "help":
             assert action.help, f"{action.option_strings} has no help text"
+    parser = build_parser()
+    formatter = parser._get_formatter()
+    for action in parser._actions[1:]:  # after --help: a default is said once, by the text or appended
+        said = "default" in (action.help or "").lower() or action.default is None
+        assert (formatter._get_help_string(action) == action.help) == said, action.option_strings
+
+
+def test_megatron_lm_flag_names_are_accepted():
+    """Megatron-LM's RL flags set the same settings (a launch line written for it runs here)."""
+    from emapg_megatron.arguments import parse_args
+    from emapg_megatron.build import model_config
+
+    args = parse_args(["--grpo-prompts-per-step", "3", "--grpo-group-size", "4", "--grpo-iterations", "2",
+                       "--grpo-clamp-eps-lower", "0.1", "--grpo-clamp-eps-upper", "0.3",
+                       "--grpo-kl-beta", "0.05", "--grpo-entropy-term-weight", "0.01",
+                       "--group-query-attention"])
+    assert (args.rollout_batch_size, args.num_samples_per_prompt, args.ppo_epochs) == (3, 4, 2)
+    assert (args.clip_eps_low, args.clip_eps_high, args.kl_coef, args.entropy_coef) == (0.1, 0.3, 0.05, 0.01)
+    assert model_config(args).num_query_groups == 1  # Megatron-LM's default with the switch
+    assert model_config(parse_args(["--group-query-attention", "--num-query-groups", "2"])).num_query_groups == 2
+    assert model_config(parse_args([])).num_query_groups is None  # one group per head
+
+
+def test_world_size_flag_is_for_dry_runs(monkeypatch):
+    from emapg_megatron.build import world_size_from_env
+    from emapg_megatron.runtime import ConfigError
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert world_size_from_env(SimpleNamespace(world_size=8, dry_run=True)) == 8  # the flag wins
+    assert world_size_from_env(SimpleNamespace(world_size=None, dry_run=False)) == 2
+    with pytest.raises(ConfigError, match="--world-size 8 but this run has 2 processes"):
+        world_size_from_env(SimpleNamespace(world_size=8, dry_run=False))
+    monkeypatch.delenv("WORLD_SIZE")
+    assert world_size_from_env(SimpleNamespace(world_size=None, dry_run=True)) == 1
+
+
+def test_pretrained_checkpoint_must_hold_the_architecture_of_the_run(tmp_path):
+    """Checked against the model config the checkpoint stores, before any weights are read."""
+    import json
+
+    from emapg_megatron.build import check_pretrained_architecture
+    from emapg_megatron.checkpoint.convert import FORMAT, METADATA
+    from emapg_megatron.models.gpt import ModelConfig
+    from emapg_megatron.runtime import ConfigError
+
+    run = ModelConfig(vocab_size=40, num_query_groups=None)
+    check_pretrained_architecture(run, str(tmp_path))  # no stored config (not ours): not checked
+    stored = ModelConfig(vocab_size=40, num_query_groups=4, max_position_embeddings=4096)
+    (tmp_path / METADATA).write_text(json.dumps({"format": FORMAT, "model_config": stored.to_dict()}))
+    check_pretrained_architecture(run, str(tmp_path))  # 4 groups = one per head; RoPE length free
+    stored.num_layers, stored.qk_layernorm = 4, True
+    (tmp_path / METADATA).write_text(json.dumps({"format": FORMAT, "model_config": stored.to_dict()}))
+    with pytest.raises(ConfigError, match=r"num_layers: checkpoint 4, run 2; qk_layernorm: checkpoint True"):
+        check_pretrained_architecture(run, str(tmp_path))
 
 
 @pytest.mark.parametrize("yaml_text, message", [

@@ -156,11 +156,13 @@ def use_transformer_engine(device_type: str, impl: str = "auto") -> bool:
     return impl == "transformer_engine"
 
 
-def validate_precision(prec: PrecisionConfig, device_type: str) -> None:
+def validate_precision(prec: PrecisionConfig, device_type: str, *, hardware: bool = True) -> None:
+    """The precision flags; ``hardware=False`` (a --dry-run, maybe on another machine) checks
+    only what needs no GPU or Transformer Engine here."""
     if prec.transformer_impl not in ("auto", "local", "transformer_engine"):
         raise ConfigError(f"--transformer-impl must be auto, local or transformer_engine "
                           f"(got {prec.transformer_impl!r})")
-    if prec.transformer_impl == "transformer_engine" and (device_type != "cuda" or not te_available()):
+    if hardware and prec.transformer_impl == "transformer_engine" and (device_type != "cuda" or not te_available()):
         raise ConfigError("--transformer-impl transformer_engine needs a GPU and Transformer Engine "
                           f"({_te_import_error() or 'no GPU in this run'}): see docs/gpu.md")
     if prec.fp8_format is None:
@@ -173,6 +175,8 @@ def validate_precision(prec: PrecisionConfig, device_type: str) -> None:
         raise ConfigError(
             f"--fp8-recipe must be delayed, tensorwise or blockwise (got {prec.fp8_recipe!r})"
         )
+    if not hardware:
+        return
     if device_type != "cuda":
         raise ConfigError("FP8 needs a GPU with Transformer Engine; it cannot run in CPU mode")
     if not te_available():

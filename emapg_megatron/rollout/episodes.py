@@ -157,6 +157,8 @@ def start_episodes(prompts: Sequence[Sequence[int]], n: int, envs: Sequence[Any]
                    top_p: float, seq_length: int) -> list[Episode]:
     """One :class:`Episode` per environment (prompt-major, ``n`` per prompt)."""
     warn_if_truncated_sampling(top_p)
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("an empty prompt: every sequence needs at least one token to continue")
     if len(envs) != len(prompts) * n:
         raise ValueError(f"{len(envs)} environments for {len(prompts)} prompts x {n} samples")
     return [Episode(prompts[s // n], envs[s], tokenizer, seq_length) for s in range(len(envs))]

@@ -154,7 +154,8 @@ class CachedForward:
         # set_input_tensor that the wrapper's micro-batched path calls on its model.
         inner = model.module if isinstance(model, DistributedDataParallel) else model
         self.wrapper = GPTInferenceWrapper(inner, wcfg, self.context)
-        self.chunks_after_prefill = has_local_attention(model)  # TE drops a mask at an offset
+        # TE drops a mask at an offset; Megatron's fused masked softmax takes only square scores.
+        self.chunks_after_prefill = has_local_attention(model) and not cfg.masked_softmax_fusion
         self.rows_fed: list[int] = []  # rows per forward: finished rows cost nothing
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor | None:

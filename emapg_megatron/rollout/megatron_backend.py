@@ -26,6 +26,9 @@ class MegatronGenerationBackend:
 
     def __init__(self, model_chunks, tokenizer, model_cfg, *, temperature: float, top_p: float,
                  max_new_tokens: int, seed: int):
+        if not (temperature >= 0 and 0 < top_p <= 1 and max_new_tokens >= 1):
+            raise ConfigError(f"need --temperature >= 0 (0: greedy), 0 < --top-p <= 1 and "
+                              f"--max-new-tokens >= 1 (got {temperature}, {top_p}, {max_new_tokens})")
         self.tokenizer = tokenizer
         self.max_positions = model_cfg.max_position_embeddings
         self.temperature, self.top_p, self.max_new_tokens = temperature, top_p, max_new_tokens
@@ -38,6 +41,8 @@ class MegatronGenerationBackend:
     def __call__(self, prompts: list[str], n: int, *, stop=None, max_new_tokens: int | None = None,
                  **_ignored) -> list[list[str]]:
         budget = max_new_tokens or self.max_new_tokens
+        if not prompts:
+            return []
         ids = [encode_text(self.tokenizer, p) for p in prompts]
         longest = max(len(i) for i in ids) + budget
         if longest > self.max_positions:

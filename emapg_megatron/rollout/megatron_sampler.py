@@ -41,7 +41,10 @@ from emapg_megatron.training.schedule import forward_only, split_microbatches
 
 def sample_from_logits(logits: torch.Tensor, uniforms: torch.Tensor, temperature: float,
                        top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse-CDF sampling of ``[S, V]`` logits; returns (ids, log-prob under the sampler)."""
+    """Inverse-CDF sampling of ``[S, V]`` logits; returns (ids, log-prob under the sampler).
+    Temperature 0 is greedy (evaluation): the argmax, which that sampler draws with probability 1."""
+    if temperature == 0:
+        return logits.argmax(-1), torch.zeros(logits.shape[0], device=logits.device)
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)
     if top_p < 1.0:
         sorted_lp, order = logp.sort(dim=-1, descending=True)
@@ -50,7 +53,9 @@ def sample_from_logits(logits: torch.Tensor, uniforms: torch.Tensor, temperature
         logp = torch.full_like(logp, float("-inf")).scatter(-1, order, sorted_lp)
         logp = torch.log_softmax(logp, dim=-1)
     cdf = logp.exp().cumsum(-1)
-    ids = torch.searchsorted(cdf, (uniforms * cdf[:, -1]).unsqueeze(-1)).squeeze(-1)
+    # A uniform of exactly 0 must not land on a leading token of zero mass (outside the nucleus).
+    target = (uniforms * cdf[:, -1]).clamp_min(torch.finfo(cdf.dtype).tiny)
+    ids = torch.searchsorted(cdf, target.unsqueeze(-1)).squeeze(-1)
     ids = ids.clamp_max(logits.shape[-1] - 1)
     return ids, logp.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
 
@@ -133,7 +138,8 @@ class MegatronSampler:
         if logits is not None:  # only the real vocabulary, never Megatron's padding ids
             ids, lp = sample_from_logits(logits[:, :self.vocab_size], uniforms, temperature, top_p)
         self._broadcast_from_last_stage(ids, lp)
-        return ids.cpu(), lp.cpu()  # the bookkeeping is per sequence, on the host
+        both = torch.stack([ids.double(), lp.double()]).cpu()  # one device-to-host copy (exact)
+        return both[0].long(), both[1].float()  # the bookkeeping is per sequence, on the host
 
     def _record(self, turn: Turn, token: int, logprob: float, budget: int, stop) -> bool:
         """Append a sampled token to its turn; True when the turn is finished."""
@@ -149,6 +155,8 @@ class MegatronSampler:
         return [self._record(s.turn, tok, lp, s.budget, stop) for s, tok, lp in zip(due, tokens, lps)]
 
     def _check_room(self, histories, budgets) -> None:
+        if any(len(h) == 0 for h in histories):
+            raise ValueError("an empty prompt: every sequence needs at least one token to continue")
         if max((len(h) + b for h, b in zip(histories, budgets)), default=0) > self.seq_length:
             raise ValueError(f"prompt + new tokens exceed --seq-length {self.seq_length}")
 

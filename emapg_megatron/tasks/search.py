@@ -203,7 +203,7 @@ SEARCH_R1_INSTRUCTION = (
 @dataclass
 class SearchConfig:
     #: max model turns per episode (at most max_turns - 1 searches)
-    max_turns: int = 5
+    max_turns: int = 4
     #: per-turn token budget (sampler max_new_tokens; enforced by the env when it has a tokenizer)
     max_turn_tokens: Optional[int] = 500
     #: observation token budget (enforced when the env has a tokenizer)

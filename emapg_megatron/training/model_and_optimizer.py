@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +15,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.transformer.module import Float16Module
 
 from emapg_megatron.models.gpt import ModelConfig, PrecisionConfig, build_for_this_rank
+from emapg_megatron.runtime import ConfigError
 
 
 @dataclass
@@ -36,6 +38,23 @@ class OptimConfig:
     """Global gradient-norm clip; 0 disables."""
     use_distributed_optimizer: bool = False
     """Shard optimizer state and fp32 main params across data-parallel ranks."""
+
+    def validate(self) -> None:
+        """The optimizer's flags, checked once (raises ConfigError with one line)."""
+        finite = all(math.isfinite(v) for v in (self.lr, self.min_lr, self.weight_decay, self.adam_eps,
+                                                self.clip_grad))
+        checks = [
+            (finite, "--lr, --min-lr, --weight-decay, --adam-eps and --clip-grad must be finite"),
+            (0.0 <= self.min_lr <= self.lr, f"need 0 <= --min-lr <= --lr (got {self.min_lr}, {self.lr})"),
+            (self.weight_decay >= 0.0, f"--weight-decay must be >= 0 (got {self.weight_decay})"),
+            (0.0 <= self.adam_beta1 < 1.0 and 0.0 <= self.adam_beta2 < 1.0,
+             f"--adam-beta1 and --adam-beta2 must be in [0, 1) (got {self.adam_beta1}, {self.adam_beta2})"),
+            (self.adam_eps > 0.0, f"--adam-eps must be > 0 (got {self.adam_eps})"),
+            (self.clip_grad >= 0.0, f"--clip-grad must be >= 0 (got {self.clip_grad})"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(message)
 
 
 def wrap_ddp(model, *, use_distributed_optimizer: bool):

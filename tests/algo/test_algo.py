@@ -68,3 +68,20 @@ def test_inverse_cdf_sampling_is_exact_and_top_p_logprob_is_the_truncated_one():
     keep = p[:2] / p[:2].sum()  # p0 + p1 = 0.91 >= 0.8: the nucleus is {0, 1}
     assert set(ids.tolist()) == {0, 1}
     torch.testing.assert_close(lp, keep.log()[ids])
+
+
+def test_a_zero_uniform_never_draws_a_token_of_zero_mass():
+    """torch.rand can return exactly 0: it must pick the first token the sampler can draw, not a
+    leading one outside the nucleus (whose sampling log-prob is -inf)."""
+    logits = torch.tensor([[0.0, 3.0, 2.0, 1.0]])  # token 0 is outside the top-0.5 nucleus
+    ids, lp = sample_from_logits(logits, torch.zeros(1), 1.0, 0.5)
+    assert ids.tolist() == [1] and torch.isfinite(lp).all()
+    ids, lp = sample_from_logits(torch.tensor([[-200.0, 0.0]]), torch.zeros(1), 1.0, 1.0)
+    assert ids.tolist() == [1] and torch.isfinite(lp).all()  # exp(-200) is 0 in fp32
+
+
+def test_temperature_zero_is_greedy():
+    """Evaluation's greedy decoding: the argmax, drawn with probability 1 (log-prob 0)."""
+    logits = torch.tensor([[0.0, 3.0, 2.0], [5.0, 1.0, 4.9]])
+    ids, lp = sample_from_logits(logits, torch.tensor([0.99, 0.5]), 0.0, 1.0)
+    assert ids.tolist() == [1, 0] and lp.tolist() == [0.0, 0.0]

@@ -8,7 +8,6 @@ holds the same model.
 
 import os
 
-import torch
 
 from emapg_megatron.models.gpt import ModelConfig
 from emapg_megatron.tasks.base import Segment

@@ -1,7 +1,6 @@
 """Math task: answer extraction, the reward table, timeouts on adversarial inputs, the pool."""
 import json
 import os
-import time
 
 import pytest
 

@@ -11,7 +11,7 @@ uniforms times a device cdf).
 
 import pytest
 
-from trainer_launch import BASE, metrics, torchrun
+from trainer_launch import metrics, torchrun
 
 pytestmark = pytest.mark.slow
 

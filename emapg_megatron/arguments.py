@@ -383,6 +383,10 @@ def validate(args: argparse.Namespace, world_size: int, cfg: ComponentConfigs | 
     _validate_batches(args, world_size)
     _check(args.load is None or os.path.isdir(args.load),
            f"--load path does not exist: {args.load}")
+    if not args.dry_run:  # a dry run may validate paths of the machine the run will use
+        for flag, path in (("--save", args.save), ("--log-dir", args.log_dir),
+                           ("--tensorboard-dir", args.tensorboard_dir)):
+            _check_writable_dir(flag, path)
     _check(args.load_hf is None or os.path.isdir(args.load_hf),
            f"--load-hf path does not exist: {args.load_hf}")
     _check(args.pretrained_checkpoint is None or os.path.isdir(args.pretrained_checkpoint),
@@ -454,6 +458,18 @@ def _validate_batches(args, world_size: int) -> None:
     _check(gbs % (args.micro_batch_size * dp) == 0,
            f"--global-batch-size {gbs} is not divisible by --micro-batch-size "
            f"{args.micro_batch_size} x data-parallel size {dp}")
+
+
+def _check_writable_dir(flag: str, path: str | None) -> None:
+    """``path`` is a directory, or one can be made there: its nearest existing ancestor is a
+    writable directory (else rank 0 would fail alone, after the build, leaving the others waiting)."""
+    if path is None:
+        return
+    there = os.path.abspath(path)
+    while not os.path.exists(there):
+        there = os.path.dirname(there)
+    _check(os.path.isdir(there), f"{flag} {path}: {there} is not a directory")
+    _check(os.access(there, os.W_OK | os.X_OK), f"{flag} {path}: {there} is not writable")
 
 
 def _check(ok: bool, message: str) -> None:

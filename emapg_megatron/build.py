@@ -194,13 +194,8 @@ def build_run(args, cfg: arguments.ComponentConfigs, tokenizer, task, model_cfg,
         load_hf_weights(chunks, model_cfg, args.load_hf, progress=dist.get_rank() == 0)
         optimizer.reload_model_params()
         check_loaded_weights(chunks, f"--load-hf {args.load_hf}")
-    warmup = (int(args.lr_warmup_fraction * args.train_iters) if args.lr_warmup_fraction is not None
-              else args.lr_warmup_iters)
-    scheduler = OptimizerParamScheduler(
-        optimizer, init_lr=0.0 if warmup else args.lr, max_lr=args.lr, min_lr=args.min_lr,
-        lr_warmup_steps=warmup, lr_decay_steps=args.train_iters,
-        lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay, end_wd=args.weight_decay,
-        wd_incr_steps=args.train_iters, wd_incr_style="constant")
+    rollout = args.rollout_batch_size * args.num_samples_per_prompt
+    scheduler = lr_scheduler(optimizer, args, updates_per_step=args.ppo_epochs * rollout // cfg.step.mini_batch_size)
     if args.sequence_packing:
         warn_packed_attention_cost(chunks[0], model_cfg, cfg.step)
     anchor = EmaAnchor(chunks, optimizer, cfg.ema)
@@ -258,6 +253,23 @@ def build_rollout_engine(args, chunks, model_cfg, tokenizer):
                            seed=args.seed, tokenizer=tokenizer, kv_cache=args.rollout_kv_cache,
                            max_requests=args.inference_max_requests,
                            max_forward_tokens=max(args.inference_batch_times_seqlen_threshold, 0) or None)
+
+
+def lr_scheduler(optimizer, args, updates_per_step: int) -> OptimizerParamScheduler:
+    """Megatron's LR/WD schedule. It steps once per optimizer update and a trainer step makes
+    ``updates_per_step`` of them (--ppo-epochs x the rollout's PPO mini-batches), so warm-up and
+    decay are counted in updates: they span the flags' trainer steps whatever the batching. The
+    flags' settings win over a resumed checkpoint's (a run extended with a larger --train-iters
+    decays over the new horizon); the checkpoint gives the position in the schedule."""
+    warmup = (int(args.lr_warmup_fraction * args.train_iters) if args.lr_warmup_fraction is not None
+              else args.lr_warmup_iters)
+    total = args.train_iters * updates_per_step
+    return OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if warmup else args.lr, max_lr=args.lr, min_lr=args.min_lr,
+        lr_warmup_steps=warmup * updates_per_step, lr_decay_steps=total,
+        lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay, end_wd=args.weight_decay,
+        wd_incr_steps=total, wd_incr_style="constant", use_checkpoint_opt_param_scheduler=False,
+        override_opt_param_scheduler=True)
 
 
 def load_pretrained(chunks, optimizer, path: str) -> None:

@@ -55,6 +55,7 @@ class MetricsLogger:
         for k, v in record.items():
             if k != "step":
                 self.tb.add_scalar(k, v, step)
+        self.tb.flush()  # a run that stops with an error or a signal keeps its last steps
         if step % self.log_interval == 0 or step == self.total_steps:
             print(self.progress_line(step, record), flush=True)
 

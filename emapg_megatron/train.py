@@ -42,8 +42,10 @@ def run(argv=None) -> int:
         logger = MetricsLogger(args.log_dir, args.train_iters, tensorboard_dir=args.tensorboard_dir,
                                enabled=dist.get_rank() == 0, start_step=start,
                                log_interval=args.log_interval)
-        loop.run_steps(args, trainer, logger, start)
-        png = logger.close()
+        try:
+            loop.run_steps(args, trainer, logger, start)
+        finally:
+            png = logger.close()  # also after a stop on non-finite steps: the curves show it
         if png:
             loop.log0(f"metrics: {os.path.join(args.log_dir, 'metrics.jsonl')}; curves: {png}")
     finally:

@@ -229,3 +229,17 @@ def test_over_long_prompts_stop_before_any_work():
     assert r.returncode == 2
     assert r.stderr.startswith("error: all 4096 prompts in the built-in synthetic-copy data are longer "
                                "than --seq-length 8 - --max-new-tokens 6 = 2 tokens")
+
+
+def test_unwritable_output_paths_stop_before_any_work(tmp_path):
+    """Checked in the launching process, before a process group exists (a dry run skips it: its
+    paths may be those of another machine)."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    for flag in ("--save", "--log-dir", "--tensorboard-dir"):
+        r = run_cli(flag, str(blocker / "sub"), env_world=2)
+        assert r.returncode == 0, r.stderr  # --dry-run
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), pytest.raises(SystemExit) as e:
+            train.main(["--preset", "tiny-cpu", "--tensor-model-parallel-size", "1", flag, str(blocker / "sub")])
+        assert e.value.code == 2 and err.getvalue().strip() == f"error: {flag} {blocker / 'sub'}: {blocker} is not a directory"

@@ -29,3 +29,17 @@ def test_close_before_any_step_writes_no_plot(tmp_path):
     log = MetricsLogger(str(tmp_path), total_steps=2)
     assert log.close() is None
     assert not (tmp_path / "curves.png").exists()
+
+
+def test_tensorboard_holds_every_logged_step_before_close(tmp_path):
+    """A run that stops with an error (or os._exit on a signal) never closes the writer: each
+    step's scalars must already be on disk."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    log = MetricsLogger(str(tmp_path), total_steps=3)
+    for step in (1, 2):
+        log.log(step, {"reward_mean": 0.5 * step})
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [e.value for e in events.Scalars("reward_mean")] == [0.5, 1.0]
+    log.close()

@@ -75,12 +75,34 @@ def save(root: str, iteration: int, sharded_state_dict: dict, common: dict) -> s
     state = dict(sharded_state_dict, rng_state=_rng_sharded_object(), common=common)
     dist_checkpointing.save(state, tmp)
     dist.barrier()
+    error = [None]
     if dist.get_rank() == 0:
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        _atomic_write_text(os.path.join(root, TRACKER), str(iteration))
-    dist.barrier()
+        try:
+            _install(root, tmp, final, iteration)
+        except OSError as e:
+            error[0] = f"could not move checkpoint {tmp} into place: {e}"
+    dist.broadcast_object_list(error, src=0)  # every rank raises, none waits at a barrier
+    if error[0]:
+        raise ConfigError(error[0])
     return final
+
+
+def _install(root: str, tmp: str, final: str, iteration: int) -> None:
+    """Rename the written ``tmp`` to ``final`` and point the tracker at it. A checkpoint already
+    at ``final`` (the same step saved again) is moved aside first and deleted only once the new
+    one is in place (put back if the move fails), so the tracker's step stays whole."""
+    old = final + ".old"
+    if os.path.exists(final):
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+    try:
+        os.replace(tmp, final)
+    except OSError:
+        if os.path.exists(old):
+            os.replace(old, final)
+        raise
+    _atomic_write_text(os.path.join(root, TRACKER), str(iteration))
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def latest_iteration(root: str) -> int:

@@ -94,7 +94,8 @@ def run_steps(args, trainer, logger, start: int) -> int:
             stop.done()
             log0(f"signal received: stopped after step {iteration}")
             return iteration
-    if args.save and not (args.save_interval and iteration % args.save_interval == 0):
+    ran = iteration > start  # a resume at --train-iters runs nothing: its checkpoint is the latest
+    if ran and args.save and not (args.save_interval and iteration % args.save_interval == 0):
         save(args, trainer, iteration)
     return iteration
 

@@ -1,0 +1,46 @@
+"""Putting a written checkpoint in place (rank 0's part of ``checkpointing.save``), and the
+final save of a run that had nothing left to do."""
+
+import os
+from types import SimpleNamespace
+
+import pytest
+
+from emapg_megatron.training import checkpointing, loop
+
+
+def _written(path, text: str) -> str:
+    os.makedirs(path)
+    with open(os.path.join(path, "shard"), "w") as f:
+        f.write(text)
+    return path
+
+
+def test_saving_a_step_again_replaces_it_whole(tmp_path):
+    root = str(tmp_path)
+    final = checkpointing.iteration_dir(root, 3)
+    _written(final, "first")
+    checkpointing._install(root, _written(final + ".tmp", "second"), final, 3)
+    assert open(os.path.join(final, "shard")).read() == "second"
+    assert sorted(os.listdir(root)) == sorted([os.path.basename(final), checkpointing.TRACKER])
+    assert checkpointing.latest_iteration(root) == 3
+
+
+def test_a_failed_install_keeps_the_previous_checkpoint(tmp_path):
+    root = str(tmp_path)
+    final = checkpointing.iteration_dir(root, 3)
+    _written(final, "first")
+    with pytest.raises(OSError):
+        checkpointing._install(root, final + ".tmp", final, 3)  # nothing was written there
+    assert open(os.path.join(final, "shard")).read() == "first"  # put back, not deleted
+    assert not os.path.exists(final + ".old")
+
+
+def test_a_resume_at_the_last_step_saves_nothing(monkeypatch):
+    """--load X --save X at --train-iters: no step runs, and the final save must not rewrite
+    (first deleting) the checkpoint it resumed from."""
+    saved = []
+    monkeypatch.setattr(loop, "save", lambda args, trainer, it: saved.append(it))
+    args = SimpleNamespace(train_iters=3, save="ckpt", save_interval=0, max_skipped_steps=0)
+    assert loop.run_steps(args, trainer=None, logger=None, start=3) == 3
+    assert saved == []

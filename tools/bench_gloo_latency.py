@@ -51,10 +51,13 @@ def _rank(rank: int, port: int, args, pinned: bool, out) -> None:
         for _ in range(reps):
             x = torch.tanh(x @ w)
 
-    while True:  # calibrate the compute burst
-        start = time.perf_counter()
+    for _ in range(20):  # warm-up, then size the compute burst on the mean of 20 calls
         compute()
-        if (time.perf_counter() - start) * 1e3 >= args.compute_ms or reps > 1e6:
+    while reps < 1e6:
+        start = time.perf_counter()
+        for _ in range(20):
+            compute()
+        if (time.perf_counter() - start) * 1e3 / 20 >= args.compute_ms:
             break
         reps *= 2
     x, buf = torch.randn(args.rows, args.hidden), torch.empty(args.rows, args.hidden)

@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 import torch.distributed as dist
 
@@ -45,37 +46,33 @@ def resume(args, trainer) -> int:
 
 
 class StopFlag:
-    """SIGTERM/SIGINT ask for a checkpoint and a clean exit at the end of the current step.
+    """SIGTERM/SIGINT ask for a checkpoint and a clean exit at the end of the current step,
+    however long the step and the save take (the ranks agree on it after each step).
 
-    If the ranks cannot agree within ``grace_s`` (a peer died and this rank waits in a
-    collective), the process exits with one line instead of blocking; a second signal exits at once.
+    Nothing here waits for a dead peer: collectives time out (--distributed-timeout-minutes). A
+    signal again more than :attr:`REPEAT_S` after the first exits at once, without a checkpoint;
+    one sooner is the same request delivered twice (Ctrl-C reaches a worker from the terminal and
+    again from torchrun).
     """
 
-    def __init__(self, grace_s: float = 120.0):
-        self.requested = False
-        self.grace_s = grace_s
+    REPEAT_S = 5.0
+
+    def __init__(self):
+        self.requested_at: float | None = None
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._handle)
-        signal.signal(signal.SIGALRM, self._give_up)
 
     def _handle(self, signum, frame):
-        if self.requested:
-            self._give_up(signum, frame)
-        self.requested = True
-        signal.setitimer(signal.ITIMER_REAL, self.grace_s)
-
-    @staticmethod
-    def _give_up(signum, frame):
-        print(f"error: stopped by signal {signal.Signals(signum).name} without a checkpoint: the ranks "
-              "did not reach the end of the step in time (a peer may have died)", file=sys.stderr,
-              flush=True)
-        os._exit(1)
+        now = time.monotonic()
+        if self.requested_at is None:
+            self.requested_at = now
+        elif now - self.requested_at > self.REPEAT_S:
+            print(f"error: stopped by a second {signal.Signals(signum).name} without a checkpoint",
+                  file=sys.stderr, flush=True)
+            os._exit(1)
 
     def agreed(self) -> bool:
-        return any_true(self.requested)
-
-    def done(self) -> None:
-        signal.setitimer(signal.ITIMER_REAL, 0)
+        return any_true(self.requested_at is not None)
 
 
 def run_steps(args, trainer, logger, start: int) -> int:
@@ -91,7 +88,6 @@ def run_steps(args, trainer, logger, start: int) -> int:
         if args.save and (stopping or (args.save_interval and iteration % args.save_interval == 0)):
             save(args, trainer, iteration)
         if stopping:
-            stop.done()
             log0(f"signal received: stopped after step {iteration}")
             return iteration
     ran = iteration > start  # a resume at --train-iters runs nothing: its checkpoint is the latest

@@ -1,5 +1,6 @@
-"""Putting a written checkpoint in place (rank 0's part of ``checkpointing.save``), and the
-final save of a run that had nothing left to do."""
+"""The loop's failure paths without a process group: putting a written checkpoint in place
+(rank 0's part of ``checkpointing.save``), the final save of a run with nothing left to do, and
+stop requests by signal."""
 
 import os
 from types import SimpleNamespace
@@ -44,3 +45,26 @@ def test_a_resume_at_the_last_step_saves_nothing(monkeypatch):
     args = SimpleNamespace(train_iters=3, save="ckpt", save_interval=0, max_skipped_steps=0)
     assert loop.run_steps(args, trainer=None, logger=None, start=3) == 3
     assert saved == []
+
+
+def test_a_stop_request_survives_a_long_step_and_a_repeated_delivery(monkeypatch):
+    """No timer runs out on a long step or save; the same Ctrl-C delivered twice (terminal and
+    torchrun) is one request; a second signal later exits at once."""
+    import signal
+
+    clock, exits = [100.0], []
+    monkeypatch.setattr(loop.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(loop.os, "_exit", exits.append)
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        stop = loop.StopFlag()
+        stop._handle(signal.SIGINT, None)
+        clock[0] += 1.0
+        stop._handle(signal.SIGTERM, None)  # torchrun forwarding the same Ctrl-C
+        clock[0] += 3600.0  # an hour-long step and save: still a request, no exit
+        assert stop.requested_at == 100.0 and exits == []
+        stop._handle(signal.SIGTERM, None)
+        assert exits == [1]
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)

@@ -121,6 +121,22 @@ def latest_iteration(root: str) -> int:
     return int(text)
 
 
+def agreed_latest_iteration(root: str) -> int:
+    """The tracker's step as rank 0 reads it, on every rank: one read, where ranks reading it on
+    their own could see different steps of a directory another run is writing. Its errors raise
+    on every rank."""
+    shared: list = [None, None]  # step, error
+    if dist.get_rank() == 0:
+        try:
+            shared[0] = latest_iteration(root)
+        except ConfigError as e:
+            shared[1] = str(e)
+    dist.broadcast_object_list(shared, src=0)
+    if shared[1] is not None:
+        raise ConfigError(shared[1])
+    return shared[0]
+
+
 def check_train_iters(train_iters: int, load_root: str) -> int:
     """Refuse a --train-iters below the step of the checkpoint in ``load_root``; returns that step."""
     step = latest_iteration(load_root)
@@ -268,13 +284,13 @@ def _reseed(iteration: int, saved: dict, now: dict) -> None:
               f"is not restored but reseeded from the step", flush=True)
 
 
-def load(root: str, sharded_state_dict: dict) -> tuple[int, dict]:
-    """Load into the given sharded state dict; returns (iteration, loaded state).
+def load(root: str, sharded_state_dict: dict, iteration: int) -> dict:
+    """Load step ``iteration`` (:func:`agreed_latest_iteration`) into the given sharded state
+    dict; returns the loaded state.
 
     The checkpoint's files are verified first (nothing in them is executed), then its saving
     layout is compared with this run's (:func:`check_layout`).
     """
-    iteration = latest_iteration(root)
     path = iteration_dir(root, iteration)
     checkpoint = verify_checkpoint_metadata(path)
     saved, now = saved_layout(checkpoint), current_layout(sharded_state_dict)
@@ -296,7 +312,7 @@ def load(root: str, sharded_state_dict: dict) -> tuple[int, dict]:
         torch.set_rng_state(rng["torch"])
     else:
         _reseed(iteration, saved, now)
-    return iteration, loaded
+    return loaded
 
 
 # --- before saving ---------------------------------------------------------------------------------

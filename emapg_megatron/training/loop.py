@@ -37,9 +37,9 @@ def save(args, trainer, iteration: int) -> None:
 
 def resume(args, trainer) -> int:
     """Load ``--load``'s latest checkpoint into ``trainer``; returns its step."""
-    path = checkpointing.iteration_dir(args.load, checkpointing.latest_iteration(args.load))
-    trainer.prepare_to_load(path)
-    iteration, loaded = checkpointing.load(args.load, trainer.sharded_state_dict(is_loading=True))
+    iteration = checkpointing.agreed_latest_iteration(args.load)
+    trainer.prepare_to_load(checkpointing.iteration_dir(args.load, iteration))
+    loaded = checkpointing.load(args.load, trainer.sharded_state_dict(is_loading=True), iteration)
     trainer.load_state_dict(loaded)
     log0(f"resumed from {args.load} at step {iteration}")
     return iteration

@@ -68,3 +68,31 @@ def test_a_stop_request_survives_a_long_step_and_a_repeated_delivery(monkeypatch
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+def _tracker_as_each_rank_reads_it(root: str):
+    """Rank r reads step 5 + r (a directory another run is writing): every rank must take rank
+    0's; a corrupt tracker (an empty ``root``) must raise on every rank."""
+    import torch.distributed as dist
+
+    from emapg_megatron.runtime import ConfigError
+
+    real = checkpointing.latest_iteration
+    checkpointing.latest_iteration = lambda r: 5 + dist.get_rank()
+    try:
+        step = checkpointing.agreed_latest_iteration(root)
+    finally:
+        checkpointing.latest_iteration = real
+    try:
+        checkpointing.agreed_latest_iteration(root)
+    except ConfigError as e:
+        return step, str(e)
+    return step, None
+
+
+def test_ranks_resume_from_the_step_rank_0_read(tmp_path):
+    from emapg_megatron.multiprocess import run_distributed
+
+    got = run_distributed(_tracker_as_each_rank_reads_it, 2, args=(str(tmp_path),))
+    assert [step for step, _ in got] == [5, 5]
+    assert all(err is not None and "not a checkpoint directory" in err for _, err in got)

@@ -74,6 +74,11 @@ PAYLOADS = {
 }
 
 
+def _resume_load(ckpt):
+    """What --load does on one rank: the tracker's step, then that step's checkpoint."""
+    return checkpointing.load(str(ckpt), {}, checkpointing.latest_iteration(str(ckpt)))
+
+
 def _one_line(e) -> str:
     text = str(e.value)
     assert "\n" not in text and "Traceback" not in text
@@ -95,7 +100,7 @@ def test_code_in_dot_metadata_is_refused_and_never_runs(kind, ckpt, tmp_path):
     marker = tmp_path / "pwned"
     (ckpt / ITER / ".metadata").write_bytes(pickle.dumps(make(marker)))
     for load in (lambda: verify_checkpoint_metadata(str(ckpt / ITER)),
-                 lambda: checkpointing.load(str(ckpt), {}),  # the trainer's --load
+                 lambda: _resume_load(ckpt),  # the trainer's --load
                  lambda: check_checkpoint(None, str(ckpt / ITER))):  # resume's EMA shape check
         with pytest.raises(ConfigError) as e:
             load()
@@ -118,7 +123,7 @@ def test_code_in_a_sharded_object_is_refused(ckpt, tmp_path):
     with open(ckpt / ITER / ".metadata", "wb") as f:
         pickle.dump(md, f)
     with pytest.raises(ConfigError) as e:
-        checkpointing.load(str(ckpt), {})
+        _resume_load(ckpt)
     assert "__9_0.distcp (item rng_state" in _one_line(e) and "system" in str(e.value)
     assert not marker.exists()
 
@@ -161,7 +166,7 @@ GARBAGE = {
 def test_corrupt_metadata_is_one_line_naming_the_file(name, ckpt):
     (ckpt / ITER / name).write_bytes(GARBAGE[name])
     with pytest.raises(ConfigError) as e:
-        checkpointing.load(str(ckpt), {})
+        _resume_load(ckpt)
     assert "corrupt checkpoint" in _one_line(e) and str(ckpt / ITER / name) in str(e.value)
 
 
@@ -182,7 +187,7 @@ def test_truncated_dot_metadata_and_missing_files(ckpt):
 def test_corrupt_tracker_is_one_line(text, ckpt):
     (ckpt / checkpointing.TRACKER).write_bytes(text)  # 7: no iter_0000007 directory
     with pytest.raises(ConfigError) as e:
-        checkpointing.load(str(ckpt), {})
+        _resume_load(ckpt)
     assert f"corrupt {checkpointing.TRACKER}" in _one_line(e)
 
 

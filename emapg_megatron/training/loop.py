@@ -35,6 +35,19 @@ def save(args, trainer, iteration: int) -> None:
     log0(f"saved checkpoint {path}")
 
 
+#: Flags whose change on resume changes the data order or the samples: the run then no longer
+#: follows the uninterrupted one (which a resume otherwise reproduces exactly).
+TRAJECTORY_FLAGS = ("seed", "task", "data_path", "long_prompts", "rollout_batch_size",
+                    "num_samples_per_prompt", "max_new_tokens", "temperature", "top_p")
+
+
+def changed_trajectory_flags(saved: dict, args) -> list[str]:
+    """``--flag old -> new`` for each of :data:`TRAJECTORY_FLAGS` that differs from the saved run
+    (the checkpoint keeps its flags as strings)."""
+    return [f"--{k.replace('_', '-')} {saved[k]} -> {getattr(args, k)}" for k in TRAJECTORY_FLAGS
+            if k in saved and str(saved[k]) != str(getattr(args, k))]
+
+
 def resume(args, trainer) -> int:
     """Load ``--load``'s latest checkpoint into ``trainer``; returns its step."""
     iteration = checkpointing.agreed_latest_iteration(args.load)
@@ -42,6 +55,10 @@ def resume(args, trainer) -> int:
     loaded = checkpointing.load(args.load, trainer.sharded_state_dict(is_loading=True), iteration)
     trainer.load_state_dict(loaded)
     log0(f"resumed from {args.load} at step {iteration}")
+    saved = json.loads(loaded["common"].get("args", "{}"))
+    if changed := changed_trajectory_flags(saved, args):
+        log0(f"warning: resumed with other settings than the checkpoint's ({'; '.join(changed)}): "
+             "data order and samples differ from the uninterrupted run")
     return iteration
 
 

@@ -96,3 +96,16 @@ def test_ranks_resume_from_the_step_rank_0_read(tmp_path):
     got = run_distributed(_tracker_as_each_rank_reads_it, 2, args=(str(tmp_path),))
     assert [step for step, _ in got] == [5, 5]
     assert all(err is not None and "not a checkpoint directory" in err for _, err in got)
+
+
+def test_a_resume_names_the_flags_that_change_its_trajectory():
+    """The checkpoint keeps its run's flags (as JSON); a resume with another seed or data says so."""
+    import json
+
+    from emapg_megatron.arguments import parse_args
+
+    saved = json.loads(json.dumps(vars(parse_args(["--preset", "tiny-cpu"])), default=str))
+    same = parse_args(["--preset", "tiny-cpu", "--train-iters", "300", "--lr", "0.01"])  # free to change
+    assert loop.changed_trajectory_flags(saved, same) == []
+    other = parse_args(["--preset", "tiny-cpu", "--seed", "7", "--top-p", "0.9"])
+    assert loop.changed_trajectory_flags(saved, other) == ["--seed 1234 -> 7", "--top-p 1.0 -> 0.9"]

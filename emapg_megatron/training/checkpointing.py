@@ -54,6 +54,17 @@ def _atomic_write_text(path: str, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(path) or ".")
+
+
+def _fsync_dir(path: str) -> None:
+    """Make the renames inside directory ``path`` durable (a power loss must not leave the
+    tracker naming a step whose directory rename was lost)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _rng_sharded_object():
@@ -73,7 +84,11 @@ def save(root: str, iteration: int, sharded_state_dict: dict, common: dict) -> s
     dist.barrier()
     common = dict(common, **{LAYOUT_KEY: current_layout(sharded_state_dict)})
     state = dict(sharded_state_dict, rng_state=_rng_sharded_object(), common=common)
-    dist_checkpointing.save(state, tmp)
+    try:
+        dist_checkpointing.save(state, tmp)
+    except BaseException as e:  # noqa: BLE001 - CheckpointException derives from BaseException
+        _reraise_in_one_line(e, f"--save {root}: could not write step {iteration} (the previous "
+                                "checkpoint is kept)")
     dist.barrier()
     error = [None]
     if dist.get_rank() == 0:
@@ -85,6 +100,15 @@ def save(root: str, iteration: int, sharded_state_dict: dict, common: dict) -> s
     if error[0]:
         raise ConfigError(error[0])
     return final
+
+
+def _reraise_in_one_line(e: BaseException, what: str) -> None:
+    """Megatron's and torch's checkpoint errors (a BaseException, many lines) as one ConfigError
+    line; an interrupt or exit passes through."""
+    if isinstance(e, (KeyboardInterrupt, SystemExit)):
+        raise e
+    lines = str(e).strip().splitlines() or [type(e).__name__]
+    raise ConfigError(f"{what}: {lines[0]}") from e
 
 
 def _install(root: str, tmp: str, final: str, iteration: int) -> None:
@@ -101,6 +125,7 @@ def _install(root: str, tmp: str, final: str, iteration: int) -> None:
         if os.path.exists(old):
             os.replace(old, final)
         raise
+    _fsync_dir(root)  # the step's directory is in place before the tracker names it
     _atomic_write_text(os.path.join(root, TRACKER), str(iteration))
     shutil.rmtree(old, ignore_errors=True)
 
@@ -302,10 +327,7 @@ def load(root: str, sharded_state_dict: dict, iteration: int) -> dict:
     try:
         loaded = dist_checkpointing.load(state, path)
     except BaseException as e:  # noqa: BLE001 - CheckpointException derives from BaseException
-        if isinstance(e, (KeyboardInterrupt, SystemExit)):
-            raise
-        lines = str(e).strip().splitlines() or [type(e).__name__]
-        raise ConfigError(f"--load {path}: cannot load checkpoint: {lines[0]}") from e
+        _reraise_in_one_line(e, f"--load {path}: cannot load checkpoint")
     verify_loaded_extra_state(loaded.get("model"), path)
     rng = loaded.pop("rng_state", None)
     if restore_rng and rng["world_size"] == dist.get_world_size():

@@ -109,3 +109,32 @@ def test_a_resume_names_the_flags_that_change_its_trajectory():
     assert loop.changed_trajectory_flags(saved, same) == []
     other = parse_args(["--preset", "tiny-cpu", "--seed", "7", "--top-p", "0.9"])
     assert loop.changed_trajectory_flags(saved, other) == ["--seed 1234 -> 7", "--top-p 1.0 -> 0.9"]
+
+
+class _WriteFailed(BaseException):  # as torch's CheckpointException: not an Exception
+    pass
+
+
+def _save_that_fails(root: str):
+    from megatron.core import dist_checkpointing
+
+    from emapg_megatron.runtime import ConfigError
+
+    def refuse(state, path):
+        raise _WriteFailed("disk full\nsecond line of a long report")
+
+    real, dist_checkpointing.save = dist_checkpointing.save, refuse
+    try:
+        checkpointing.save(root, 1, {}, {})
+    except ConfigError as e:
+        return str(e)
+    finally:
+        dist_checkpointing.save = real
+
+
+def test_a_failed_write_is_one_line_and_names_no_new_step(tmp_path):
+    from emapg_megatron.multiprocess import run_distributed
+
+    (err,) = run_distributed(_save_that_fails, 1, args=(str(tmp_path),))
+    assert err == f"--save {tmp_path}: could not write step 1 (the previous checkpoint is kept): disk full"
+    assert not (tmp_path / checkpointing.TRACKER).exists()

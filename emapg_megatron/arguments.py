@@ -203,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--top-p", type=float, default=1.0,
       help="nucleus sampling threshold in (0, 1]; the KL estimators' importance weights use the "
            "sampler's own (truncated) log-probs, so they stay consistent, but the samples no longer "
-           "come from the policy (see docs/kl.md)")
+           "come from the policy (see docs/kl_estimators.md)")
 
     a = g["task"].add_argument
     a("--chat-template", default="auto", choices=("auto", "always", "never"),

@@ -1,7 +1,7 @@
 """Check a Megatron checkpoint against its HF source: same tokens, compare the logits.
 
 The HF side runs ``transformers`` in fp32 on the CPU in this process; the Megatron side runs on
-TP x PP spawned ranks (fp32, local spec on CPU) and loads the checkpoint with resharding.
+TP x PP ranks forked on CPU (fp32, local spec) and loads the checkpoint with resharding.
 """
 
 from __future__ import annotations

@@ -23,7 +23,11 @@ from emapg_megatron import arguments, runtime
 from emapg_megatron.anchor import EmaAnchor, StabilityMonitor
 from emapg_megatron.checkpoint import load_hf_weights
 from emapg_megatron.checkpoint.convert import METADATA, checkpoint_model_config
-from emapg_megatron.checkpoint.hf_config import model_config_from_hf, read_hf_config
+from emapg_megatron.checkpoint.hf_config import (
+    architecture_diffs,
+    model_config_from_hf,
+    read_hf_config,
+)
 from emapg_megatron.models.gpt import (
     ModelConfig,
     has_local_attention,
@@ -133,31 +137,14 @@ def world_size_from_env(args) -> int:
     return args.world_size
 
 
-#: ModelConfig fields that fix the weights' shapes and meaning (not the RoPE table length or
-#: the vocabulary padding, which a load may change).
-ARCHITECTURE = ("vocab_size", "hidden_size", "ffn_hidden_size", "num_layers", "num_attention_heads",
-                "num_query_groups", "kv_channels", "rotary_base", "rope_scaling_factor",
-                "norm_epsilon", "add_qkv_bias", "qk_layernorm", "tie_word_embeddings")
-
-
-def _resolved(cfg, name: str):
-    """A field with its None default resolved as the model build resolves it."""
-    if name == "num_query_groups":
-        return cfg.num_query_groups or cfg.num_attention_heads
-    if name == "kv_channels":
-        return cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads
-    return getattr(cfg, name)
-
-
 def check_pretrained_architecture(model_cfg, path: str) -> None:
     """--pretrained-checkpoint must hold the architecture the flags (or --load-hf) build, as
     the model config it stores says. A checkpoint without one (not written here) is not checked
     before the load, which then fails on any shape that differs."""
     if not os.path.isfile(os.path.join(path, METADATA)):
         return
-    stored = checkpoint_model_config(path)
-    differ = [f"{name}: checkpoint {_resolved(stored, name)!r}, run {_resolved(model_cfg, name)!r}"
-              for name in ARCHITECTURE if _resolved(stored, name) != _resolved(model_cfg, name)]
+    differ = [f"{name}: checkpoint {stored!r}, run {run!r}"
+              for name, stored, run in architecture_diffs(checkpoint_model_config(path), model_cfg)]
     if differ:
         raise ConfigError(f"--pretrained-checkpoint {path} holds another architecture than this run "
                           f"builds ({'; '.join(differ)}): pass the model flags it was made with, or "
@@ -195,7 +182,8 @@ def build_run(args, cfg: arguments.ComponentConfigs, tokenizer, task, model_cfg,
         optimizer.reload_model_params()
         check_loaded_weights(chunks, f"--load-hf {args.load_hf}")
     rollout = args.rollout_batch_size * args.num_samples_per_prompt
-    scheduler = lr_scheduler(optimizer, args, updates_per_step=args.ppo_epochs * rollout // cfg.step.mini_batch_size)
+    updates_per_step = args.ppo_epochs * rollout // cfg.step.mini_batch_size
+    scheduler = lr_scheduler(optimizer, args, updates_per_step)
     if args.sequence_packing:
         warn_packed_attention_cost(chunks[0], model_cfg, cfg.step)
     anchor = EmaAnchor(chunks, optimizer, cfg.ema)

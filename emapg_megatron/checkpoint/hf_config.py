@@ -173,11 +173,17 @@ def hf_config_from_model(cfg: ModelConfig, arch: str, *, base: dict | None = Non
 def check_same_architecture(template: dict, cfg: ModelConfig) -> None:
     """A template config.json must describe the same network as ``cfg``."""
     other, _ = model_config_from_hf(template)
-    mine, theirs = _normalized(cfg), _normalized(other)
-    diffs = [f"{n}: template {theirs[n]!r} != checkpoint {mine[n]!r}"
-             for n in ARCH_FIELDS if theirs[n] != mine[n]]
+    diffs = [f"{n}: template {theirs!r} != checkpoint {mine!r}"
+             for n, mine, theirs in architecture_diffs(cfg, other)]
     if diffs:
         raise ConfigError("--hf-template describes a different model: " + "; ".join(diffs))
+
+
+def architecture_diffs(a: ModelConfig, b: ModelConfig) -> list[tuple[str, object, object]]:
+    """``(field, a's value, b's value)`` for each of :data:`ARCH_FIELDS` where the two networks
+    differ, defaults resolved."""
+    na, nb = _normalized(a), _normalized(b)
+    return [(n, na[n], nb[n]) for n in ARCH_FIELDS if na[n] != nb[n]]
 
 
 def _normalized(cfg: ModelConfig) -> dict:

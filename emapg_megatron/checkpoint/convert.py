@@ -49,6 +49,7 @@ from emapg_megatron.models.gpt import ModelConfig, PrecisionConfig, build_gpt_mo
 from emapg_megatron.multiprocess import free_port
 from emapg_megatron.runtime import ConfigError
 from emapg_megatron.training.checkpoint_verify import load_verified
+from emapg_megatron.training.collectives import on_rank0
 from emapg_megatron.training.model_and_optimizer import unwrap
 
 METADATA = "emapg_model_config.json"
@@ -80,13 +81,28 @@ def _temp_dir_for(out: Path) -> Path:
     return tmp
 
 
-def _commit(tmp: Path, out: Path) -> None:
-    """Move the finished ``tmp`` to ``out`` (replacing an old ``out`` only now)."""
+def replace_dir(tmp: str | Path, out: str | Path) -> Path | None:
+    """Rename the finished directory ``tmp`` to ``out``. An existing ``out`` is moved aside first
+    (and put back if the rename fails); returns where it went, for the caller to delete once the
+    new one counts (None if there was none)."""
+    tmp, out = Path(tmp), Path(out)
     old = None
     if out.exists():
         old = out.parent / f".{out.name}.old-{os.getpid()}"
+        shutil.rmtree(old, ignore_errors=True)
         out.rename(old)
-    tmp.rename(out)
+    try:
+        tmp.rename(out)
+    except OSError:
+        if old is not None:
+            old.rename(out)
+        raise
+    return old
+
+
+def _commit(tmp: Path, out: Path) -> None:
+    """Move the finished ``tmp`` to ``out`` (replacing an old ``out`` only now)."""
+    old = replace_dir(tmp, out)
     if old is not None:
         shutil.rmtree(old)
 
@@ -146,17 +162,12 @@ def save_mcore(model_chunks, out_dir: str | Path, metadata: dict, *, overwrite: 
             high_precision(name, p.detach())
     out = Path(out_dir)
     rank = dist.get_rank()
-    shared = [None, None]  # temp dir, error
-    if rank == 0:
-        try:
-            _check_writable(out, overwrite)
-            shared[0] = str(_temp_dir_for(out))
-        except ConfigError as e:
-            shared[1] = str(e)
-    dist.broadcast_object_list(shared, src=0)
-    if shared[1]:
-        raise ConfigError(shared[1])
-    tmp = Path(shared[0])
+
+    def make_temp_dir() -> str:
+        _check_writable(out, overwrite)
+        return str(_temp_dir_for(out))
+
+    tmp = Path(on_rank0(make_temp_dir))
     try:
         dist_checkpointing.save(_sharded_state_dict(model_chunks), str(tmp))
         if rank == 0:

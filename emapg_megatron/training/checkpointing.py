@@ -28,7 +28,9 @@ from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as ps
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
+from emapg_megatron.checkpoint.convert import replace_dir
 from emapg_megatron.runtime import ConfigError
+from emapg_megatron.training.collectives import on_rank0
 from emapg_megatron.training.checkpoint_verify import (
     verify_checkpoint_metadata,
     verify_loaded_extra_state,
@@ -90,15 +92,14 @@ def save(root: str, iteration: int, sharded_state_dict: dict, common: dict) -> s
         _reraise_in_one_line(e, f"--save {root}: could not write step {iteration} (the previous "
                                 "checkpoint is kept)")
     dist.barrier()
-    error = [None]
-    if dist.get_rank() == 0:
+
+    def install():
         try:
             _install(root, tmp, final, iteration)
         except OSError as e:
-            error[0] = f"could not move checkpoint {tmp} into place: {e}"
-    dist.broadcast_object_list(error, src=0)  # every rank raises, none waits at a barrier
-    if error[0]:
-        raise ConfigError(error[0])
+            raise ConfigError(f"could not move checkpoint {tmp} into place: {e}") from e
+
+    on_rank0(install)  # every rank raises on a failure, none waits at a barrier
     return final
 
 
@@ -113,21 +114,13 @@ def _reraise_in_one_line(e: BaseException, what: str) -> None:
 
 def _install(root: str, tmp: str, final: str, iteration: int) -> None:
     """Rename the written ``tmp`` to ``final`` and point the tracker at it. A checkpoint already
-    at ``final`` (the same step saved again) is moved aside first and deleted only once the new
-    one is in place (put back if the move fails), so the tracker's step stays whole."""
-    old = final + ".old"
-    if os.path.exists(final):
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(final, old)
-    try:
-        os.replace(tmp, final)
-    except OSError:
-        if os.path.exists(old):
-            os.replace(old, final)
-        raise
+    at ``final`` (the same step saved again) is deleted only once the tracker names the new one
+    (:func:`replace_dir`), so the tracker's step stays whole."""
+    old = replace_dir(tmp, final)
     _fsync_dir(root)  # the step's directory is in place before the tracker names it
     _atomic_write_text(os.path.join(root, TRACKER), str(iteration))
-    shutil.rmtree(old, ignore_errors=True)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def latest_iteration(root: str) -> int:
@@ -150,16 +143,7 @@ def agreed_latest_iteration(root: str) -> int:
     """The tracker's step as rank 0 reads it, on every rank: one read, where ranks reading it on
     their own could see different steps of a directory another run is writing. Its errors raise
     on every rank."""
-    shared: list = [None, None]  # step, error
-    if dist.get_rank() == 0:
-        try:
-            shared[0] = latest_iteration(root)
-        except ConfigError as e:
-            shared[1] = str(e)
-    dist.broadcast_object_list(shared, src=0)
-    if shared[1] is not None:
-        raise ConfigError(shared[1])
-    return shared[0]
+    return on_rank0(lambda: latest_iteration(root))
 
 
 def check_train_iters(train_iters: int, load_root: str) -> int:

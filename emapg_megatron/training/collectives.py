@@ -2,6 +2,7 @@
 
 NCCL takes device tensors only, so every buffer here is placed on :func:`runtime.device` (the CPU
 in CPU mode, where the strict device mode checks that placement). ``group=None`` is the world.
+:func:`on_rank0` broadcasts a small Python object instead (file-system work done once).
 """
 
 from __future__ import annotations
@@ -10,6 +11,26 @@ import torch
 import torch.distributed as dist
 
 from emapg_megatron import runtime
+from emapg_megatron.runtime import ConfigError
+
+
+def on_rank0(fn):
+    """``fn()`` on global rank 0 only, its (picklable) result on every rank. A ConfigError it
+    raises is raised on every rank, so none is left waiting in a later collective. Without a
+    process group, just ``fn()``."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return fn()
+    box = [None, None]  # result, error
+    if dist.get_rank() == 0:
+        try:
+            box[0] = fn()
+        except ConfigError as e:
+            box[1] = str(e)
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0)  # our own values, not user data
+    if box[1] is not None:
+        raise ConfigError(box[1])
+    return box[0]
 
 
 def reduce_sum(values: dict, group=None) -> dict:

@@ -14,9 +14,8 @@ import fcntl
 import os
 import socket
 
-import torch.distributed as dist
-
 from emapg_megatron.runtime import ConfigError
+from emapg_megatron.training.collectives import on_rank0
 
 LOCK_NAME = ".emapg-run.lock"
 
@@ -72,17 +71,9 @@ def lock_save_dir(directory: str) -> SaveDirLock:
     is held elsewhere. Collective once the process group is up (call it on all ranks). Keep the
     returned lock for the run (``release()`` at the end, or let the process exit)."""
     lock = SaveDirLock(directory)
-    distributed = dist.is_available() and dist.is_initialized()
-    error = None
-    if not distributed or dist.get_rank() == 0:
-        try:
-            lock.acquire()
-        except ConfigError as e:
-            error = str(e)
-    if distributed and dist.get_world_size() > 1:
-        box = [error]
-        dist.broadcast_object_list(box, src=0)
-        error = box[0]
-    if error:
-        raise ConfigError(error)
+
+    def take() -> None:  # the lock itself (an open file) stays on rank 0
+        lock.acquire()
+
+    on_rank0(take)
     return lock

@@ -29,8 +29,7 @@ import torch
 import torch.multiprocessing as mp
 
 from emapg_megatron import runtime
-from emapg_megatron.runtime import ParallelConfig
-
+from emapg_megatron.training.config import ParallelConfig
 
 #: Imported once by the CPU forkserver, so that forked ranks start with them loaded.
 PRELOAD = ["emapg_megatron.trainer", "emapg_megatron.multiprocess"]
@@ -56,7 +55,7 @@ def _to_bytes(obj) -> bytes:
     return buf.getvalue()
 
 
-def _worker(rank, world_size, port, cfg, env, call, results):
+def _worker(rank, world_size, port, cfg, seed, env, call, results):
     os.environ.clear()  # a forked rank starts with the forkserver's environment, not the caller's
     os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -64,7 +63,7 @@ def _worker(rank, world_size, port, cfg, env, call, results):
     runtime.quiet_expected_warnings()
     try:
         fn, args = pickle.loads(call)  # our caller's own objects; an import error is reported
-        runtime.initialize(cfg)
+        runtime.initialize(cfg, seed)
         out = fn(*args)
         results.put((rank, True, _to_bytes(out)))
     except BaseException:  # noqa: BLE001 - forwarded to the parent
@@ -100,15 +99,14 @@ def run_distributed(fn, world_size: int = 2, *, tp: int = 1, pp: int = 1, args: 
 
     ``fn`` must be importable (a module-level function): the ranks import it by name.
     """
-    cfg = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                         device=device, seed=seed)
+    cfg = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, device=device)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_rank(world_size)))
     ctx = _context(device)
     call = pickle.dumps((fn, args))
     results = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, cfg, dict(os.environ), call, results))
+        ctx.Process(target=_worker, args=(r, world_size, port, cfg, seed, dict(os.environ), call, results))
         for r in range(world_size)
     ]
     for p in procs:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import datetime
 import os
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -19,69 +18,8 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
 from emapg_megatron import cpu_device, expected_warnings
-
-
-class ConfigError(ValueError):
-    """A user error in the configuration: reported as one line, without a traceback."""
-
-
-@dataclass(frozen=True)
-class ParallelConfig:
-    """The parallel layout, the device and the process groups."""
-
-    tensor_model_parallel_size: int = 1
-    """TP degree (vocab-sharded logits)."""
-    pipeline_model_parallel_size: int = 1
-    """PP degree."""
-    sequence_parallel: bool = False
-    """Megatron's --sequence-parallel: norms' and dropout's activations sharded over TP."""
-    device: str = "auto"
-    """auto | cpu | cuda (cpu: Megatron-Core on the CPU through cpu_device)."""
-    backend: str = "auto"
-    """auto | gloo | nccl."""
-    seed: int = 1234
-    """Seed of weights, data order and sampling."""
-    timeout_minutes: int = 30
-    """Timeout of every collective, Megatron's groups included: a dead peer ends the run."""
-
-    def resolved_device(self) -> str:
-        if self.device != "auto":
-            return self.device
-        return "cuda" if torch.cuda.is_available() else "cpu"
-
-    def resolved_backend(self) -> str:
-        if self.backend != "auto":
-            return self.backend
-        return "nccl" if self.resolved_device() == "cuda" else "gloo"
-
-    def data_parallel_size(self, world_size: int) -> int:
-        return world_size // (self.tensor_model_parallel_size * self.pipeline_model_parallel_size)
-
-
-def validate_parallel(cfg: ParallelConfig, world_size: int, *, check_devices: bool = True) -> None:
-    """Check the parallel layout before any work starts. Raises :class:`ConfigError`.
-
-    Model-shape checks (heads, groups, layers against TP/PP) live in
-    :meth:`emapg_megatron.models.gpt.ModelConfig.validate`.
-    """
-    tp, pp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
-    if tp < 1 or pp < 1:
-        raise ConfigError(f"parallel sizes must be >= 1 (got TP={tp}, PP={pp})")
-    if cfg.device not in ("auto", "cpu", "cuda"):
-        raise ConfigError(f"--device must be auto, cpu or cuda (got {cfg.device!r})")
-    if cfg.backend not in ("auto", "gloo", "nccl"):
-        raise ConfigError(f"--distributed-backend must be auto, gloo or nccl (got {cfg.backend!r})")
-    device, backend = cfg.resolved_device(), cfg.resolved_backend()
-    if not check_devices and cfg.device == "cuda" and cfg.backend == "auto":
-        backend = "nccl"  # a dry run on a CPU machine of a GPU launch
-    if device == "cpu" and backend == "nccl":
-        raise ConfigError("CPU mode cannot use the nccl backend: use --distributed-backend gloo")
-    if check_devices and device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda requested but no GPU is visible")
-    if world_size % (tp * pp) != 0:
-        raise ConfigError(
-            f"world size {world_size} is not TP x PP x DP: TP={tp} x PP={pp} does not divide it"
-        )
+from emapg_megatron.errors import ConfigError  # noqa: F401  (re-exported: runtime.ConfigError)
+from emapg_megatron.training.config import ParallelConfig
 
 
 def quiet_expected_warnings() -> None:
@@ -93,10 +31,11 @@ def _env_int(name: str, default: int) -> int:
     return int(os.environ.get(name, default))
 
 
-def initialize(cfg: ParallelConfig) -> None:
-    """Initialise torch.distributed (from torchrun's env vars) and Megatron's parallel_state."""
+def initialize(cfg: ParallelConfig, seed: int = 1234) -> None:
+    """Initialise torch.distributed (from torchrun's env vars) and Megatron's parallel_state, and
+    seed the model-parallel RNG with ``seed``."""
     world_size = _env_int("WORLD_SIZE", 1)
-    validate_parallel(cfg, world_size)
+    cfg.validate(world_size)
     device, backend = cfg.resolved_device(), cfg.resolved_backend()
     if device == "cpu":
         cpu_device.install()
@@ -112,8 +51,8 @@ def initialize(cfg: ParallelConfig) -> None:
             timeout=datetime.timedelta(minutes=cfg.timeout_minutes),
         )
     parallel_state.initialize_model_parallel(**model_parallel_options(cfg))
-    torch.manual_seed(cfg.seed)
-    model_parallel_cuda_manual_seed(cfg.seed)
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
 
 
 def collective_failure(exc: BaseException) -> str | None:

@@ -15,39 +15,41 @@ import sys
 
 import torch.distributed as dist
 
-from emapg_megatron import arguments, build, runtime
+from emapg_megatron import build, runtime
+from emapg_megatron.checkpoint import training as checkpointing
+from emapg_megatron.errors import CollectiveError, ConfigError, RunError
 from emapg_megatron.metrics import MetricsLogger
-from emapg_megatron.runtime import ConfigError
-from emapg_megatron.training import checkpointing, loop
+from emapg_megatron.training import loop
 from emapg_megatron.training.run_lock import lock_save_dir
 
 
 def run(argv=None) -> int:
     runtime.quiet_expected_warnings()
     inputs = build.prepare(argv)  # every check that needs no process group: nothing runs yet
-    args = inputs.args
-    if args.dry_run:  # a staged example's --load may not exist yet
+    cfg = inputs.config
+    if cfg.launch.dry_run:  # a staged example's --load may not exist yet
         print(build.describe(inputs))
         return 0
-    if args.load:
-        checkpointing.check_train_iters(args.train_iters, args.load)
-    runtime.initialize(arguments.parallel_config(args))
+    load, save, log = cfg.checkpoint.load, cfg.checkpoint.save, cfg.log
+    if load:
+        checkpointing.check_train_iters(cfg.loop.train_iters, load)
+    runtime.initialize(cfg.parallel, cfg.loop.seed)
     save_lock = None
     try:
-        save_lock = lock_save_dir(args.save) if args.save else None  # one run per --save directory
+        save_lock = lock_save_dir(save) if save else None  # one run per --save directory
         trainer = build.build_trainer(inputs)
-        start = loop.resume(args, trainer) if args.load else 0
-        loop.log0(f"layout {build.layout(args, dist.get_world_size())}; "
-                  f"training steps {start + 1}..{args.train_iters}")
-        logger = MetricsLogger(args.log_dir, args.train_iters, tensorboard_dir=args.tensorboard_dir,
+        start = loop.resume(load, trainer, cfg.flags()) if load else 0
+        loop.log0(f"layout {build.layout(cfg.parallel, dist.get_world_size())}; "
+                  f"training steps {start + 1}..{cfg.loop.train_iters}")
+        logger = MetricsLogger(log.log_dir, cfg.loop.train_iters, tensorboard_dir=log.tensorboard_dir,
                                enabled=dist.get_rank() == 0, start_step=start,
-                               log_interval=args.log_interval)
+                               log_interval=log.log_interval)
         try:
-            loop.run_steps(args, trainer, logger, start)
+            loop.run_steps(cfg.loop, cfg.checkpoint, trainer, logger, start, cfg.flags())
         finally:
             png = logger.close()  # also after a stop on non-finite steps: the curves show it
         if png:
-            loop.log0(f"metrics: {os.path.join(args.log_dir, 'metrics.jsonl')}; curves: {png}")
+            loop.log0(f"metrics: {os.path.join(log.log_dir, 'metrics.jsonl')}; curves: {png}")
     finally:
         if save_lock is not None:
             save_lock.release()
@@ -61,11 +63,14 @@ def main(argv=None) -> None:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except RunError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)
     except RuntimeError as e:
-        line = runtime.collective_failure(e)
-        if line is None:
+        failure = CollectiveError(line) if (line := runtime.collective_failure(e)) else None
+        if failure is None:
             raise
-        print(f"error: {line}", file=sys.stderr, flush=True)
+        print(f"error: {failure}", file=sys.stderr, flush=True)
         os._exit(1)  # no teardown: it would wait on the dead peer again
 
 

@@ -10,7 +10,6 @@ scalars); full logits exist only inside one micro-batch's forward pass on the la
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import torch
 from megatron.core import parallel_state as ps
@@ -18,80 +17,24 @@ from megatron.core.utils import get_model_config
 
 from emapg_megatron import runtime
 from emapg_megatron.algo.advantages import compute_advantages
-from emapg_megatron.algo.policy_loss import LossConfig, normaliser
-from emapg_megatron.kl import (
-    SAMPLED,
-    loss_type,
-    sequence_kl_penalized_reward,
-    uses_topk,
-)
+from emapg_megatron.algo.config import LossConfig, StepConfig
+from emapg_megatron.algo.policy_loss import normaliser, policy_loss_terms
+from emapg_megatron.checkpoint import training as checkpointing
+from emapg_megatron.kl import sequence_kl_penalized_reward
+from emapg_megatron.kl.config import KLConfig
+from emapg_megatron.models.gpt import unwrap
 from emapg_megatron.parallel import kl_from_policy_terms
 from emapg_megatron.parallel.output_heads import LogitsHead
 from emapg_megatron.rollout.engine import logprob_mismatch
-from emapg_megatron.runtime import ConfigError
 from emapg_megatron.tasks.base import encode_text
-from emapg_megatron.training import checkpointing, packing, sequence_balance
+from emapg_megatron.training import packing, sequence_balance
 from emapg_megatron.training.collectives import gather_at, gather_cat, reduce_sum
-from emapg_megatron.training.model_and_optimizer import unwrap, zero_grads
+from emapg_megatron.training.microbatches import layout_of, microbatching
+from emapg_megatron.training.model_and_optimizer import zero_grads
 from emapg_megatron.training.optimizer_step import check_weights, step_if_finite
-from emapg_megatron.training.schedule import (
-    concat_outputs,
-    forward_backward,
-    forward_only,
-    split_microbatches,
-)
+from emapg_megatron.training.schedule import forward_backward, forward_only
 
 LOSS_KEYS = ("pg_loss", "kl", "clip_frac", "entropy", "rollout_is_corrected", "tokens")
-
-
-@dataclass
-class KLConfig:
-    """The token-level KL term; everything about a loss type comes from the KL registry."""
-
-    loss_type: str = "topk-reverse"
-    """A name of emapg_megatron.kl.LOSS_TYPES (the KL registry)."""
-    k: int = 32
-    """Size of the top-k set q (Top-k families)."""
-    tail: str = "unbiased"
-    """Top-k tail correction: unbiased | paper | none."""
-    iw_clip: tuple[float, float] | None = None
-    """Clip (min, max) of the importance weight of the tail; None: no clip."""
-    alpha: float | None = None
-    """The alpha-divergence's alpha (topk-alpha only)."""
-
-    def __post_init__(self):
-        if self.iw_clip is not None:
-            self.iw_clip = tuple(self.iw_clip)  # a YAML or argparse list
-
-    def validate(self) -> None:
-        """The flags of the KL term, checked once (raises ConfigError with one line)."""
-        if self.k < 0:
-            raise ConfigError("--kl-topk-tokens must be >= 0")
-        kind = loss_type(self.loss_type)
-        if kind.family != SAMPLED and self.k < 1:
-            raise ConfigError(f"--kl-loss-type {self.loss_type} needs --kl-topk-tokens >= 1 (got {self.k})")
-        if not kind.needs_alpha and self.alpha is not None:
-            raise ConfigError(f"--kl-alpha is only for --kl-loss-type topk-alpha (got {self.loss_type})")
-        if kind.needs_alpha and self.alpha is None:
-            raise ConfigError("--kl-loss-type topk-alpha needs --kl-alpha")
-        if kind.needs_alpha:
-            try:
-                kind.check_alpha(self.alpha)
-            except ValueError as e:
-                raise ConfigError(f"--kl-alpha: {e}") from None
-        if self.iw_clip is not None and not 0 <= self.iw_clip[0] <= self.iw_clip[1]:
-            raise ConfigError(f"--kl-iw-clip needs 0 <= MIN <= MAX (got {self.iw_clip[0]} {self.iw_clip[1]})")
-
-    @property
-    def q_source(self) -> str | None:
-        """Which pass takes the top-k ids: "old" (pi_old), "anchor" (pi_ema), or None."""
-        if not uses_topk(self.loss_type, self.k):
-            return None
-        return loss_type(self.loss_type).q_source(self.alpha)
-
-    @property
-    def uses_topk(self) -> bool:
-        return self.q_source is not None
 
 
 def shifted(per_token: torch.Tensor) -> torch.Tensor:
@@ -162,73 +105,18 @@ class PolicyPasses:
             terms, mb["labels"], q, mb.get("ref_logprob_topk"), mb["ref_logprob"],
             kind=self.kl.loss_type, tail=self.kl.tail, alpha=self.kl.alpha,
             sampling_logprob=mb["sampling_logprob"], iw_clip=self.kl.iw_clip, loss_mask=mb["mask"])
-        return packing.policy_loss_terms(mb, terms.logprob, mb["old_logprob"], mb["advantages"],
-                                 kl * mb["mask"], terms.entropy, mb["mask"], self.loss,
-                                 sampling_logprob=mb["sampling_logprob"])
-
-
-@dataclass
-class StepConfig:
-    """One RL step: how much is sampled, how it is split, and how advantages are formed."""
-
-    num_samples: int
-    """Responses per prompt (N, the GRPO group)."""
-    micro_batch_size: int
-    """Sequences per forward/backward micro-batch."""
-    mini_batch_size: int
-    """Sequences per optimizer step (PPO mini-batch), global over DP ranks."""
-    ppo_epochs: int
-    """Passes over the rollout batch (Lambda)."""
-    temperature: float
-    """Sampling temperature."""
-    top_p: float
-    """Nucleus sampling threshold (1: off)."""
-    max_new_tokens: int
-    """Response length limit."""
-    advantage_norm: str
-    """group | global | none (see algo/advantages)."""
-    advantage_eps: float
-    """Added to the standard deviation of the advantage normalisation."""
-    kl_in_reward_coef: float = 0.0
-    """Sequence-level KL subtracted from the reward (the WARP baseline); 0 disables."""
-    sequence_packing: bool = False
-    """Pack whole sequences into token rows (training/packing): no compute on padding."""
-    max_tokens_per_microbatch: int | None = None
-    """Token budget of a packed micro-batch (default: micro_batch_size x seq_length)."""
-    seq_length: int = 0
-    """Longest sequence (prompt + response); 0: the widest DP rank's batch."""
-
-    def token_budget(self, width: int) -> int:
-        """Tokens of one packed micro-batch: --max-tokens-per-microbatch, else micro_batch_size x
-        seq_length (x ``width``, the batch's own, when no --seq-length is set)."""
-        return self.max_tokens_per_microbatch or self.micro_batch_size * (self.seq_length or width)
-
-    def validate(self) -> None:
-        """The flags of the step, checked once (raises ConfigError with one line)."""
-        if self.temperature <= 0:
-            raise ConfigError("--temperature must be > 0")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ConfigError("--top-p must be in (0, 1]")
-        if self.num_samples < 1:
-            raise ConfigError("--rollout-batch-size and --num-samples-per-prompt must be >= 1")
-        if self.advantage_norm == "group" and self.num_samples < 2:
-            raise ConfigError("--advantage-norm group needs --num-samples-per-prompt >= 2")
-        if self.ppo_epochs < 1:
-            raise ConfigError(f"--ppo-epochs must be >= 1 (got {self.ppo_epochs})")
-        if self.max_new_tokens < 1:
-            raise ConfigError(f"--max-new-tokens must be >= 1 (got {self.max_new_tokens})")
-        if self.max_tokens_per_microbatch is not None:
-            if not self.sequence_packing:
-                raise ConfigError("--max-tokens-per-microbatch is the budget of --sequence-packing")
-            if self.max_tokens_per_microbatch < 1:
-                raise ConfigError(f"--max-tokens-per-microbatch must be >= 1 "
-                                  f"(got {self.max_tokens_per_microbatch})")
+        # the per-sequence aggregation sees each sequence's tokens as the padded batch has them
+        logprob, old, kl, entropy, mask, sampling = layout_of(mb).per_sequence(
+            terms.logprob, mb["old_logprob"], kl * mb["mask"], terms.entropy, mb["mask"],
+            mb["sampling_logprob"])
+        return policy_loss_terms(logprob, old, mb["advantages"], kl, entropy, mask, self.loss,
+                                 sampling_logprob=sampling)
 
 
 class Trainer:
     def __init__(self, *, model_chunks, optimizer, scheduler, anchor, sampler, task, tokenizer,
-                 passes: PolicyPasses, step_cfg: StepConfig, data, rollout_batch_size: int,
-                 monitor=None, monitor_sequences: int = 2):
+                 passes: PolicyPasses, step_cfg: StepConfig, data, monitor=None,
+                 monitor_sequences: int = 2, batching=None):
         self.model_chunks = model_chunks
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -238,8 +126,9 @@ class Trainer:
         self.tokenizer = tokenizer
         self.passes = passes
         self.cfg = step_cfg
+        # padded or packed micro-batches (training.microbatches); the trainer never asks which
+        self.batching = batching or (microbatching(step_cfg) if step_cfg else None)
         self.data = data
-        self.rollout_batch_size = rollout_batch_size
         self.skipped_steps = 0
         self.monitor = monitor
         self.padding_fraction = 0.0  # of the rollout batch as the passes compute it, logged per step
@@ -291,12 +180,12 @@ class Trainer:
         dp, dp_rank, _ = self._dp()
         per_mini = self.cfg.mini_batch_size // self.cfg.num_samples
         share = per_mini // dp
-        return [m + dp_rank * share + j for m in range(0, self.rollout_batch_size, per_mini)
+        return [m + dp_rank * share + j for m in range(0, self.cfg.rollout_batch_size, per_mini)
                 for j in range(share)]
 
     def rollout(self, iteration: int):
         """This DP rank's prompts x n samples: (batch, one row per sequence, response texts)."""
-        rows = self.data.rows_for_step(iteration, self.rollout_batch_size)
+        rows = self.data.rows_for_step(iteration, self.cfg.rollout_batch_size)
         mine = self.local_prompt_indices()
         local_rows = [rows[i] for i in mine]
         prompts = [encode_text(self.tokenizer, self.task.prompt(r, self.tokenizer)) for r in local_rows]
@@ -376,43 +265,31 @@ class Trainer:
         tp = ps.get_tensor_model_parallel_world_size() if cfg.sequence_parallel else 1
         return 8 * tp if cfg.fp8 else tp
 
-    def packing_plan(self, batch: dict):
-        """With --sequence-packing, the plan that packs ``batch`` under the token budget (the same
-        number of micro-batches on every DP rank; a collective over DP), else None."""
-        if not self.cfg.sequence_packing:
-            return None
-        return packing.plan(batch, self.cfg.token_budget(batch["tokens"].shape[1]))  # largest over DP
-
-    def microbatches(self, batch: dict, plan):
-        """(micro-batches, merge of their per-token outputs back to ``[S, L]``): fixed-size padded
-        ones, or whole sequences packed by ``plan``."""
-        if plan is None:
-            return split_microbatches(batch, self.cfg.micro_batch_size), concat_outputs
-        mbs = packing.pack(batch, plan)
-        return mbs, lambda outs: packing.unpack(outs, mbs, plan.shape)
-
     def no_grad_passes(self, batch: dict) -> dict:
-        plan = self.packing_plan(batch)  # one plan for both passes: the lengths do not change
-        self.padding_fraction = (plan.padding_fraction() if plan is not None
-                                 else packing.padded_fraction(batch["mask"]))
-        mbs, merge = self.microbatches(batch, plan)
-        fused = self.passes.head.fused
-        batch = {**batch, **merge(forward_only(self.model_chunks, mbs, self.passes.old, fused_lmhead=fused))}
+        """The old-policy pass, then the anchor pass with the EMA swapped in: per-token outputs
+        merged into ``batch``. One micro-batch plan serves both: the lengths do not change."""
+        plan = self.batching.plan(batch)  # packing: a collective over DP
+        self.padding_fraction = plan.padding_fraction
+
+        def run(pass_fn, batch):
+            mbs = plan.split(batch)
+            return plan.merge(forward_only(self.model_chunks, mbs, pass_fn,
+                                           fused_lmhead=self.passes.head.fused), mbs)
+
+        batch = {**batch, **run(self.passes.old, batch)}
         with self.anchor.swapped_in():
-            mbs, merge = self.microbatches(batch, plan)  # now with the old pass's top-k ids
-            ref = merge(forward_only(self.model_chunks, mbs, self.passes.anchor, fused_lmhead=fused))
-        return {**batch, **ref}
+            return {**batch, **run(self.passes.anchor, batch)}  # with the old pass's top-k ids
 
     def train_minibatch(self, batch: dict) -> dict:
         """One optimizer step over ``batch`` (this rank's share of a mini-batch)."""
         dp, _, dp_group = self._dp()
-        mbs, _ = self.microbatches(batch, self.packing_plan(batch))
+        mbs = self.batching.plan(batch).split(batch)
         agg = self.passes.loss.agg_mode
         norm = reduce_sum({"n": normaliser(batch["mask"], agg)}, group=dp_group)["n"]
         scale = len(mbs) * dp / max(norm, 1.0)  # undo Megatron's 1/num_mb and DDP's 1/dp
 
-        def loss(logits, mb):
-            total, metrics = self.passes.loss_terms(logits, mb)
+        def loss(head_input, mb):
+            total, metrics = self.passes.loss_terms(head_input, mb)
             return total * scale, metrics
 
         zero_grads(self.model_chunks, self.optimizer)

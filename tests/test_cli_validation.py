@@ -128,10 +128,10 @@ def test_yaml_config_then_command_line_precedence(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("kl_coef: 0.05\nema-eta: 0.95\n")
     args = parse_args(["--preset", "tiny-cpu", "--config", str(cfg), "--ema-eta", "0.5"])
-    assert args.kl_coef == 0.05  # from YAML, over the preset
-    assert args.ema_eta == 0.5  # the command line wins
-    assert args.tensor_model_parallel_size == 2  # from the preset
-    assert parse_args(["--ref-policy-ema-tau", "0.8"]).ema_eta == 0.8  # reference-repo alias
+    assert args.loss.kl_coef == 0.05  # from YAML, over the preset
+    assert args.ema.eta == 0.5  # the command line wins
+    assert args.parallel.tensor_model_parallel_size == 2  # from the preset
+    assert parse_args(["--ref-policy-ema-tau", "0.8"]).ema.eta == 0.8  # reference-repo alias
 
 
 def test_help_explains_every_flag():
@@ -156,8 +156,9 @@ def test_megatron_lm_flag_names_are_accepted():
                        "--grpo-clamp-eps-lower", "0.1", "--grpo-clamp-eps-upper", "0.3",
                        "--grpo-kl-beta", "0.05", "--grpo-entropy-term-weight", "0.01",
                        "--group-query-attention"])
-    assert (args.rollout_batch_size, args.num_samples_per_prompt, args.ppo_epochs) == (3, 4, 2)
-    assert (args.clip_eps_low, args.clip_eps_high, args.kl_coef, args.entropy_coef) == (0.1, 0.3, 0.05, 0.01)
+    assert (args.step.rollout_batch_size, args.step.num_samples, args.step.ppo_epochs) == (3, 4, 2)
+    assert (args.loss.clip_eps_low, args.loss.clip_eps_high, args.loss.kl_coef, args.loss.entropy_coef) == \
+        (0.1, 0.3, 0.05, 0.01)
     assert model_config(args).num_query_groups == 1  # Megatron-LM's default with the switch
     assert model_config(parse_args(["--group-query-attention", "--num-query-groups", "2"])).num_query_groups == 2
     assert model_config(parse_args([])).num_query_groups is None  # one group per head
@@ -165,7 +166,7 @@ def test_megatron_lm_flag_names_are_accepted():
 
 def test_world_size_flag_is_for_dry_runs(monkeypatch):
     from emapg_megatron.build import world_size_from_env
-    from emapg_megatron.runtime import ConfigError
+    from emapg_megatron.errors import ConfigError
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert world_size_from_env(SimpleNamespace(world_size=8, dry_run=True)) == 8  # the flag wins
@@ -182,8 +183,8 @@ def test_pretrained_checkpoint_must_hold_the_architecture_of_the_run(tmp_path):
 
     from emapg_megatron.build import check_pretrained_architecture
     from emapg_megatron.checkpoint.convert import FORMAT, METADATA
-    from emapg_megatron.models.gpt import ModelConfig
-    from emapg_megatron.runtime import ConfigError
+    from emapg_megatron.errors import ConfigError
+    from emapg_megatron.models.config import ModelConfig
 
     run = ModelConfig(vocab_size=40, num_query_groups=None)
     check_pretrained_architecture(run, str(tmp_path))  # no stored config (not ours): not checked
@@ -220,8 +221,8 @@ def test_yaml_values_of_the_right_type_are_taken(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("kl-iw-clip: [0.5, 2]\ntrain-iters: 3\nlr: 1e-5\nbf16: false\nkl-tail: paper\n")
     args = parse_args(["--config", str(cfg)])
-    assert (args.kl_iw_clip, args.train_iters, args.lr, args.bf16, args.kl_tail) == \
-        ([0.5, 2.0], 3, 1e-5, False, "paper")
+    assert (args.kl.iw_clip, args.loop.train_iters, args.optim.lr, args.precision.bf16, args.kl.tail) == \
+        ((0.5, 2.0), 3, 1e-5, False, "paper")
 
 
 def test_over_long_prompts_stop_before_any_work():

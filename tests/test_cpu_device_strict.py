@@ -500,7 +500,8 @@ def _gpt_rank(move_to_device: bool):
     from megatron.core import parallel_state as ps
 
     from emapg_megatron import cpu_device
-    from emapg_megatron.models.gpt import ModelConfig, build_gpt_model
+    from emapg_megatron.models.config import ModelConfig
+    from emapg_megatron.models.gpt import build_gpt_model
     from emapg_megatron.training.schedule import positions_for
 
     assert cpu_device.strict()

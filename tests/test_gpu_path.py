@@ -38,15 +38,16 @@ def test_a_broken_transformer_engine_is_not_transformer_engine(monkeypatch):
 
 
 def _bf16_logits_dtype():
-    from emapg_megatron.training.model_and_optimizer import OptimConfig, build_model_and_optimizer
-    from emapg_megatron.training.schedule import logits_of
+    from emapg_megatron.training.config import OptimConfig
+    from emapg_megatron.training.model_and_optimizer import build_model_and_optimizer
+    from emapg_megatron.training.schedule import model_output
 
     cfg = gpt.ModelConfig(vocab_size=64, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
                           make_vocab_size_divisible_by=8)
     chunks, _ = build_model_and_optimizer(cfg, OptimConfig(), gpt.PrecisionConfig(bf16=True))
     tokens = torch.randint(0, 64, (2, 8), device=runtime.device())
     with torch.no_grad():
-        return str(logits_of(chunks[0], tokens).dtype)
+        return str(model_output(chunks[0], tokens).dtype)
 
 
 @pytest.mark.slow

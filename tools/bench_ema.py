@@ -32,11 +32,9 @@ MODES = {"plain": {}, "shard_over_dp": {"shard_over_dp": True}, "cpu_offload": {
 
 
 def _build(model: str, bf16: bool, dist_opt: bool):
-    from emapg_megatron.models.gpt import ModelConfig, PrecisionConfig
-    from emapg_megatron.training.model_and_optimizer import (
-        OptimConfig,
-        build_model_and_optimizer,
-    )
+    from emapg_megatron.models.config import ModelConfig, PrecisionConfig
+    from emapg_megatron.training.config import OptimConfig
+    from emapg_megatron.training.model_and_optimizer import build_model_and_optimizer
 
     return build_model_and_optimizer(ModelConfig(**MODELS[model]),
                                      OptimConfig(lr=1e-5, use_distributed_optimizer=dist_opt),

@@ -89,10 +89,12 @@ def timed(chunks, opt, mbs, loss, iters: int) -> float:
 
 def bench(a: dict) -> list[dict]:
     """Both modes in this process (same weights); one result dict per mode."""
-    from emapg_megatron.models.gpt import ModelConfig, PrecisionConfig, has_local_attention
+    from emapg_megatron.models.config import ModelConfig, PrecisionConfig
+    from emapg_megatron.models.gpt import has_local_attention
     from emapg_megatron.training import packing
-    from emapg_megatron.training.model_and_optimizer import OptimConfig, build_model_and_optimizer
-    from emapg_megatron.training.schedule import split_microbatches
+    from emapg_megatron.training.config import OptimConfig
+    from emapg_megatron.training.microbatches import split_microbatches
+    from emapg_megatron.training.model_and_optimizer import build_model_and_optimizer
 
     hidden, ffn, layers, heads, groups, vocab = SHAPES[a["device"]]
     lengths = lengths_mix(a["sequences"], a["median"], a["cap"], a["seed"])
@@ -104,7 +106,7 @@ def bench(a: dict) -> list[dict]:
     plan = packing.plan(batch, a["max_tokens"] or a["micro_batch_size"] * max(lengths), lengths=lengths)
     S, L = batch["tokens"].shape
     modes = {"padded": (split_microbatches(batch, a["micro_batch_size"]), 1.0 - sum(lengths) / (S * L)),
-             "packed": (packing.pack(batch, plan), plan.padding_fraction())}
+             "packed": (packing.pack(batch, plan), plan.padding_fraction)}
     common = {"sequences": S, "real_tokens": sum(lengths), "median_len": a["median"], "max_len": L,
               "device": a["device"], "attention": "mask" if has_local_attention(chunks[0]) else "thd",
               "bf16": a["bf16"], "model": dict(hidden=hidden, layers=layers, vocab=vocab)}

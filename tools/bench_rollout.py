@@ -28,7 +28,8 @@ MODELS = {
 
 def _samplers(model_name: str, max_len: int, batch: int) -> dict:
     """The cached and the cache-free sampler over one model."""
-    from emapg_megatron.models.gpt import ModelConfig, build_for_this_rank
+    from emapg_megatron.models.config import ModelConfig
+    from emapg_megatron.models.gpt import build_for_this_rank
     from emapg_megatron.rollout.megatron_sampler import MegatronSampler
 
     cfg = ModelConfig(**MODELS[model_name], max_position_embeddings=max_len)

@@ -120,7 +120,11 @@ def output_logits(h, w):
 
 
 def policy_objective(logprob, logprob_q, d):
-    from emapg_megatron.kl import importance_weight, token_in_topk, topk_kl_from_gathered
+    from emapg_megatron.kl import (
+        importance_weight,
+        token_in_topk,
+        topk_kl_from_gathered,
+    )
 
     iw = importance_weight(logprob, d["samp_y"], IW_CLIP)
     kl = topk_kl_from_gathered(logprob_q, logprob, d["ref_q"], d["ref_y"], token_in_topk(d["tokens"], d["q"]),
@@ -172,8 +176,10 @@ def hidden_method_fn(name: str, cfg: dict, d: dict, group, tp: int, rank: int):
 def logits_method_fn(name: str, cfg: dict, d: dict, group, tp: int, rank: int):
     """``x -> scalar loss`` for one method (x: this rank's logit shard, requires grad)."""
     from megatron.core.tensor_parallel import (
-        gather_from_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region,
-        vocab_parallel_cross_entropy)
+        gather_from_tensor_model_parallel_region,
+        reduce_from_tensor_model_parallel_region,
+        vocab_parallel_cross_entropy,
+    )
 
     from emapg_megatron.parallel import vocab_parallel_policy_terms
 

@@ -41,7 +41,8 @@ class Requirement:
 
 
 def requirements() -> list[Requirement]:
-    from emapg_megatron.rollout.vllm_engine import VLLMConfig, sampling_kwargs
+    from emapg_megatron.rollout.config import VLLMConfig
+    from emapg_megatron.rollout.vllm_engine import sampling_kwargs
 
     llm_kwargs = sorted(VLLMConfig(hf_dir="-").llm_kwargs_for(1))
     sp_kwargs = sorted(sampling_kwargs(n=1, temperature=1.0, top_p=1.0, max_tokens=1, stop=None,

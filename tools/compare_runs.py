@@ -60,7 +60,7 @@ def run_dir(out: str, name: str, seed: int) -> str:
 def expected_steps(flags: list[str]) -> int | None:
     from emapg_megatron.arguments import parse_args as trainer_args
 
-    return trainer_args(flags).train_iters
+    return trainer_args(flags).loop.train_iters
 
 
 def complete(path: str, steps: int | None) -> bool:

@@ -2,44 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from emapg_megatron.algo.rollout_correction import check_rollout_is, rollout_is_weights
-from emapg_megatron.runtime import ConfigError
-
-AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
-
-
-@dataclass
-class LossConfig:
-    """The per-token policy loss: PPO-clip + beta * KL - entropy bonus, and its aggregation."""
-
-    clip_eps_low: float = 0.2
-    """PPO clip epsilon below 1."""
-    clip_eps_high: float = 0.28
-    """PPO clip epsilon above 1 (clip-higher)."""
-    kl_coef: float = 0.001
-    """beta: weight of the token-level KL against the anchor."""
-    entropy_coef: float = 0.0
-    """Entropy bonus coefficient."""
-    agg_mode: str = "token-mean"
-    """token-mean | seq-mean-token-mean | seq-mean-token-sum."""
-    rollout_is: str = "none"
-    """Rollout-trainer mismatch correction of the PPO term: none | tis | mis (rollout_correction)."""
-    rollout_is_threshold: float = 2.0
-    """Upper bound C of the ratio pi_old/pi_sampling: truncation point (tis), mask above (mis)."""
-    rollout_is_threshold_lower: float | None = None
-    """mis only: mask below this ratio (default 1/C)."""
-
-    def validate(self) -> None:
-        """The flags of the loss, checked once (raises ConfigError with one line)."""
-        if self.clip_eps_low < 0 or self.clip_eps_high < 0:
-            raise ConfigError("PPO clip epsilons must be >= 0")
-        if self.kl_coef < 0:
-            raise ConfigError("--kl-coef must be >= 0")
-        check_rollout_is(self.rollout_is, self.rollout_is_threshold, self.rollout_is_threshold_lower)
+from emapg_megatron.algo.config import AGG_MODES, LossConfig
+from emapg_megatron.algo.rollout_correction import rollout_is_weights
 
 
 def ppo_clip(logprob, old_logprob, advantages, eps_low: float, eps_high: float):

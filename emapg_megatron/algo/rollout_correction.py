@@ -20,22 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from emapg_megatron.runtime import ConfigError
-
-ROLLOUT_IS_MODES = ("none", "tis", "mis")
-
-
-def check_rollout_is(mode: str, threshold: float, threshold_lower: float | None) -> None:
-    """The correction's flags, checked once (raises ConfigError with one line)."""
-    if mode not in ROLLOUT_IS_MODES:
-        raise ConfigError(f"--rollout-is must be one of {ROLLOUT_IS_MODES} (got {mode!r})")
-    if not threshold > 1.0 or threshold == float("inf"):
-        raise ConfigError(f"--rollout-is-threshold must be a finite number > 1 (got {threshold})")
-    if threshold_lower is not None:
-        if mode != "mis":
-            raise ConfigError("--rollout-is-threshold-lower is the lower bound of --rollout-is mis only")
-        if not 0.0 <= threshold_lower < 1.0:
-            raise ConfigError(f"--rollout-is-threshold-lower must be in [0, 1) (got {threshold_lower})")
+from emapg_megatron.algo.config import ROLLOUT_IS_MODES
 
 
 def lower_bound(threshold: float, threshold_lower: float | None) -> float:

@@ -1,6 +1,6 @@
 """The EMA anchor of EMA-PG: θ_ema ← η·θ_ema + (1−η)·θ every T_ema steps (paper §3-4, Algorithm 3).
 
-* :class:`EmaConfig`, :class:`EmaAnchor` (``ema.py``): fp32 EMA sharded like the policy
+* :class:`EmaConfig` (``config.py``), :class:`EmaAnchor` (``ema.py``): fp32 EMA sharded like the policy
   (optionally over DP and/or in host memory), updated in place from the optimizer's fp32 main params.
 * ``anchor.swapped_in()`` (``swap.py``): reference forward passes on the live model.
 * ``anchor.sharded_state_dict()`` / ``load_state_dict()`` (``checkpoint.py``): reshardable checkpoints.
@@ -9,11 +9,18 @@
 See docs/anchor.md.
 """
 
-from emapg_megatron.anchor.ema import EmaAnchor, EmaConfig
-from emapg_megatron.anchor.stability import (
-    StabilityEstimate,
-    StabilityMonitor,
-    sequence_grad_sq_norms,
-)
+import importlib
+
+from emapg_megatron.anchor.config import EmaConfig
+
+# The rest imports Megatron: loaded on first use, so the config layer stays light.
+_LAZY = {"EmaAnchor": "ema", "StabilityEstimate": "stability", "StabilityMonitor": "stability",
+         "sequence_grad_sq_norms": "stability"}
 
 __all__ = ["EmaAnchor", "EmaConfig", "StabilityEstimate", "StabilityMonitor", "sequence_grad_sq_norms"]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

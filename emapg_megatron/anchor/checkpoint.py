@@ -28,9 +28,9 @@ from megatron.core.dist_checkpointing.mapping import (
     ShardedTensorFactory,
 )
 
-from emapg_megatron.runtime import ConfigError
-from emapg_megatron.training.checkpoint_verify import verify_checkpoint_metadata
-from emapg_megatron.training.model_and_optimizer import unwrap
+from emapg_megatron.checkpoint.safe_load import verify_checkpoint_metadata
+from emapg_megatron.errors import ConfigError
+from emapg_megatron.models.gpt import unwrap
 
 logger = logging.getLogger(__name__)
 

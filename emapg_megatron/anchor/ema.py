@@ -21,42 +21,13 @@ from emapg_megatron.anchor.checkpoint import (
     check_checkpoint,
     load_loaded_state,
 )
+from emapg_megatron.anchor.config import EmaConfig
 from emapg_megatron.anchor.layout import Bucket, build_layout
 from emapg_megatron.anchor.swap import swap
-from emapg_megatron.runtime import ConfigError
 
 logger = logging.getLogger(__name__)
 
 _FP32 = torch.float32
-
-
-@dataclass
-class EmaConfig:
-    eta: float = 0.9
-    """Decay eta. Paper: 0.9-0.95; 1 = fixed anchor (standard GRPO), 0 = copy of the policy."""
-    update_period: int = 10
-    """T_ema, in trainer steps."""
-    shard_over_dp: bool = False
-    """Keep only this DP rank's optimizer shard (needs the distributed optimizer)."""
-    cpu_offload: bool = False
-    """Keep the EMA in (pinned) host memory, streamed bucket by bucket."""
-    stability_interval: int = 0
-    """Trainer steps between Fisher-trace stability estimates; 0 = off."""
-    transfer_numel: int = 16 * 2**20
-    """Staging bucket of the offload stream (fp32 elements)."""
-
-    def validate(self, use_distributed_optimizer: bool) -> None:
-        if not 0.0 <= self.eta <= 1.0:
-            raise ConfigError(f"--ema-eta must be in [0, 1] (got {self.eta})")
-        if self.update_period < 1:
-            raise ConfigError(f"--ema-update-period must be >= 1 (got {self.update_period})")
-        if self.stability_interval < 0:
-            raise ConfigError(f"--ema-stability-interval must be >= 0 (got {self.stability_interval})")
-        if self.transfer_numel < 1:
-            raise ConfigError(f"EMA transfer bucket must hold >= 1 element (got {self.transfer_numel})")
-        if self.shard_over_dp and not use_distributed_optimizer:
-            raise ConfigError("--ema-shard-over-dp needs --use-distributed-optimizer: the EMA is "
-                              "sharded like the distributed optimizer's main params")
 
 
 @dataclass

@@ -35,8 +35,8 @@ from megatron.core.optimizer.optimizer import (
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from megatron.core.transformer.module import param_is_not_shared
 
-from emapg_megatron.runtime import ConfigError
-from emapg_megatron.training.model_and_optimizer import global_param_name, unwrap
+from emapg_megatron.errors import ConfigError
+from emapg_megatron.models.gpt import global_param_name, unwrap
 
 
 @dataclass

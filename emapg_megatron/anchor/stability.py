@@ -37,7 +37,7 @@ from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from megatron.core.transformer.module import param_is_not_shared
 from megatron.core.utils import get_model_config
 
-from emapg_megatron.runtime import ConfigError
+from emapg_megatron.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ import json
 import sys
 
 from emapg_megatron.checkpoint import convert, verify
-from emapg_megatron.runtime import ConfigError
+from emapg_megatron.errors import ConfigError
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -27,6 +26,12 @@ from megatron.core import parallel_state as ps
 from tqdm import tqdm
 
 from emapg_megatron import runtime
+from emapg_megatron.checkpoint.files import (
+    atomic_dir,
+    check_new_output,
+    commit,
+    temp_dir_for,
+)
 from emapg_megatron.checkpoint.hf_config import (
     check_same_architecture,
     hf_config_from_model,
@@ -40,17 +45,17 @@ from emapg_megatron.checkpoint.hf_io import (
     copy_tokenizer_files,
 )
 from emapg_megatron.checkpoint.hf_mapping import HFMapping
+from emapg_megatron.checkpoint.safe_load import load_verified
 from emapg_megatron.checkpoint.weights import (
     export_hf_weights,
     high_precision,
     load_hf_weights,
 )
-from emapg_megatron.models.gpt import ModelConfig, PrecisionConfig, build_gpt_model
+from emapg_megatron.errors import ConfigError
+from emapg_megatron.models.config import ModelConfig, PrecisionConfig
+from emapg_megatron.models.gpt import build_gpt_model, unwrap
 from emapg_megatron.multiprocess import free_port
-from emapg_megatron.runtime import ConfigError
-from emapg_megatron.training.checkpoint_verify import load_verified
 from emapg_megatron.training.collectives import on_rank0
-from emapg_megatron.training.model_and_optimizer import unwrap
 
 METADATA = "emapg_model_config.json"
 FORMAT = "emapg-mcore-v1"
@@ -58,67 +63,6 @@ TORCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 DTYPES = tuple(TORCH_DTYPES)
 # One process, nothing to communicate: small buckets only bound the export's transient copies.
 EXPORT_BUCKET_BYTES = 64 * 1024**2
-
-
-# --- atomic directories -------------------------------------------------------------------
-
-
-def _check_writable(out: Path, overwrite: bool) -> None:
-    if out.exists() and not overwrite:
-        raise ConfigError(f"{out} already exists (pass --overwrite to replace it)")
-
-
-def _with_umask(mode: int) -> int:
-    umask = os.umask(0)
-    os.umask(umask)
-    return mode & ~umask
-
-
-def _temp_dir_for(out: Path) -> Path:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    tmp.chmod(_with_umask(0o777))  # mkdtemp's 0700 would outlive the rename
-    return tmp
-
-
-def replace_dir(tmp: str | Path, out: str | Path) -> Path | None:
-    """Rename the finished directory ``tmp`` to ``out``. An existing ``out`` is moved aside first
-    (and put back if the rename fails); returns where it went, for the caller to delete once the
-    new one counts (None if there was none)."""
-    tmp, out = Path(tmp), Path(out)
-    old = None
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        shutil.rmtree(old, ignore_errors=True)
-        out.rename(old)
-    try:
-        tmp.rename(out)
-    except OSError:
-        if old is not None:
-            old.rename(out)
-        raise
-    return old
-
-
-def _commit(tmp: Path, out: Path) -> None:
-    """Move the finished ``tmp`` to ``out`` (replacing an old ``out`` only now)."""
-    old = replace_dir(tmp, out)
-    if old is not None:
-        shutil.rmtree(old)
-
-
-@contextmanager
-def atomic_dir(out: str | Path, *, overwrite: bool = False):
-    """Yield a temporary directory that becomes ``out`` on success and vanishes on failure."""
-    out = Path(out)
-    _check_writable(out, overwrite)
-    tmp = _temp_dir_for(out)
-    try:
-        yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    _commit(tmp, out)
 
 
 # --- Megatron checkpoints -----------------------------------------------------------------
@@ -164,8 +108,8 @@ def save_mcore(model_chunks, out_dir: str | Path, metadata: dict, *, overwrite: 
     rank = dist.get_rank()
 
     def make_temp_dir() -> str:
-        _check_writable(out, overwrite)
-        return str(_temp_dir_for(out))
+        check_new_output(out, overwrite)
+        return str(temp_dir_for(out))
 
     tmp = Path(on_rank0(make_temp_dir))
     try:
@@ -178,7 +122,7 @@ def save_mcore(model_chunks, out_dir: str | Path, metadata: dict, *, overwrite: 
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     if rank == 0:
-        _commit(tmp, out)
+        commit(tmp, out)
     dist.barrier()
 
 
@@ -254,7 +198,7 @@ def hf_to_mcore(hf_dir: str | Path, out: str | Path, *, tp: int = 1, pp: int = 1
     reader = SafetensorsReader(hf_dir)
     HFMapping(cfg).check_hf(reader.shapes())
     out = Path(out)
-    _check_writable(out, overwrite)
+    check_new_output(out, overwrite)
     with single_process_runtime():
         model = _build_tp1(cfg, tp, dtype)
         nbytes = load_hf_weights([model], cfg, reader, progress=progress)

@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from emapg_megatron.models.gpt import ModelConfig
-from emapg_megatron.runtime import ConfigError
+from emapg_megatron.errors import ConfigError
+from emapg_megatron.models.config import ModelConfig
 
 # architecture -> (model_type, q/k/v bias, q/k layernorm)
 ARCHITECTURES = {

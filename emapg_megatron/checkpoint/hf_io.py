@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from emapg_megatron.runtime import ConfigError
+from emapg_megatron.errors import ConfigError
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"

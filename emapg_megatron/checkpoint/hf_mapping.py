@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from emapg_megatron.models.gpt import ModelConfig
-from emapg_megatron.runtime import ConfigError
+from emapg_megatron.errors import ConfigError
+from emapg_megatron.models.config import ModelConfig
 
 # read(hf_name, index) -> tensor; index is a tuple of slices (None: the whole tensor).
 Read = Callable[[str, "tuple[slice, ...] | None"], torch.Tensor]

@@ -24,9 +24,9 @@ from tqdm import tqdm
 from emapg_megatron import runtime
 from emapg_megatron.checkpoint.hf_io import SafetensorsReader
 from emapg_megatron.checkpoint.hf_mapping import HFMapping, dict_reader
-from emapg_megatron.models.gpt import ModelConfig
-from emapg_megatron.runtime import ConfigError
-from emapg_megatron.training.model_and_optimizer import global_param_name, unwrap
+from emapg_megatron.errors import ConfigError
+from emapg_megatron.models.config import ModelConfig
+from emapg_megatron.models.gpt import global_param_name, unwrap
 
 DEFAULT_BUCKET_BYTES = 512 * 1024**2
 HIGH_PRECISION = (torch.float32, torch.bfloat16, torch.float16)

@@ -50,7 +50,14 @@ from types import MappingProxyType
 from typing import Callable, Mapping, Optional
 
 from ._common import _check_name
-from .divergences import ALL_DIVERGENCES, ALPHA_RANGE, F_DIVERGENCES, check_divergence, f_at_zero, g_at_zero
+from .divergences import (
+    ALL_DIVERGENCES,
+    ALPHA_RANGE,
+    F_DIVERGENCES,
+    check_divergence,
+    f_at_zero,
+    g_at_zero,
+)
 from .exact import KL_DIRECTIONS
 from .fdiv import topk_fdiv_from_gathered
 from .sampled import SAMPLED_ESTIMATOR_DIRECTION, SAMPLED_ESTIMATORS, sampled_kl

@@ -30,8 +30,17 @@ from typing import Optional
 
 import torch
 
-from ._common import (NO_CLAMP, IWClip, LogWRange, _check_name, clamp_log_w, compute_dtype, importance_weight,
-                      sg, upcast)
+from ._common import (
+    NO_CLAMP,
+    IWClip,
+    LogWRange,
+    _check_name,
+    clamp_log_w,
+    compute_dtype,
+    importance_weight,
+    sg,
+    upcast,
+)
 
 __all__ = [
     "SAMPLED_ESTIMATORS",

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-from dataclasses import asdict, dataclass, field, fields
 
 import torch
 import torch.nn.functional as F
@@ -26,106 +25,8 @@ from megatron.core.transformer.transformer_block import (
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from emapg_megatron import runtime
-from emapg_megatron.runtime import ConfigError
-
-
-@dataclass
-class ModelConfig:
-    """The architecture, in Hugging Face terms (maps 1:1 onto a Llama / Qwen2 / Qwen3 config.json)."""
-
-    vocab_size: int = 128
-    """True vocabulary size (Megatron pads it, see :meth:`padded_vocab_size`)."""
-    hidden_size: int = 64
-    """Model width."""
-    ffn_hidden_size: int = 128
-    """SwiGLU intermediate size (HF intermediate_size)."""
-    num_layers: int = 2
-    """Transformer layers (HF num_hidden_layers)."""
-    num_attention_heads: int = 4
-    """Query heads."""
-    num_query_groups: int | None = None
-    """Key/value heads for GQA (HF num_key_value_heads); None: one per query head."""
-    kv_channels: int | None = None
-    """Head dimension (HF head_dim); None: hidden_size / heads."""
-    max_position_embeddings: int = 256
-    """RoPE table length."""
-    rotary_base: float = 10000.0
-    """RoPE theta."""
-    rope_scaling_factor: float | None = None
-    """Llama 3.1-style frequency scaling (HF rope_type "llama3"); None: plain RoPE. Megatron fixes
-    the low/high frequency factors 1/4 and an original context of 8192, as Llama 3.x uses."""
-    norm_epsilon: float = 1e-6
-    """RMSNorm epsilon."""
-    add_qkv_bias: bool = False
-    """Bias on the fused QKV projection (Qwen2 / Qwen2.5)."""
-    qk_layernorm: bool = False
-    """RMSNorm on queries and keys (Qwen3)."""
-    tie_word_embeddings: bool = False
-    """The output layer shares the input embedding's weight."""
-    make_vocab_size_divisible_by: int = 128
-    """Pad the vocabulary to a multiple of this x TP."""
-    init_method_std: float = 0.02
-    """Weight init std (random init only)."""
-    extra: dict = field(default_factory=dict)
-    """Anything else carried along (not used by the model build)."""
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "ModelConfig":
-        names = {f.name for f in fields(cls)}
-        unknown = set(d) - names
-        if unknown:
-            raise ConfigError(f"unknown model config keys: {sorted(unknown)}")
-        return cls(**d)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    def padded_vocab_size(self, tp: int) -> int:
-        """Megatron pads the vocabulary to a multiple of divisible_by x TP."""
-        multiple = self.make_vocab_size_divisible_by * tp
-        return -(-self.vocab_size // multiple) * multiple
-
-    def validate(self, tp: int = 1, pp: int = 1) -> None:
-        groups = self.num_query_groups or self.num_attention_heads
-        if self.hidden_size % self.num_attention_heads != 0 and self.kv_channels is None:
-            raise ConfigError(
-                f"hidden size {self.hidden_size} is not divisible by {self.num_attention_heads} heads"
-            )
-        if self.num_attention_heads % groups != 0:
-            raise ConfigError(
-                f"{self.num_attention_heads} attention heads are not divisible into {groups} groups"
-            )
-        if self.num_attention_heads % tp != 0:
-            raise ConfigError(
-                f"--tensor-model-parallel-size {tp} does not divide the number of attention heads "
-                f"({self.num_attention_heads})"
-            )
-        if groups % tp != 0:
-            raise ConfigError(
-                f"--tensor-model-parallel-size {tp} does not divide the number of query groups ({groups})"
-            )
-        if self.num_layers % pp != 0:
-            raise ConfigError(
-                f"--pipeline-model-parallel-size {pp} does not divide the number of layers "
-                f"({self.num_layers})"
-            )
-
-
-@dataclass
-class PrecisionConfig:
-    """How the layers compute: dtype, FP8, and which implementation (Megatron's local spec or TE)."""
-
-    bf16: bool = False
-    """bf16 weights and activations (fp32 main params in the optimizer)."""
-    fp8_format: str | None = None
-    """FP8 GEMMs through Transformer Engine: e4m3 | hybrid; None is off."""
-    fp8_recipe: str = "delayed"
-    """FP8 scaling recipe: delayed | tensorwise | blockwise."""
-    transformer_impl: str = "auto"
-    """Megatron's --transformer-impl: local | transformer_engine | auto (TE on a GPU when it imports)."""
-
-    def params_dtype(self) -> torch.dtype:
-        return torch.bfloat16 if self.bf16 else torch.float32
+from emapg_megatron.errors import ConfigError
+from emapg_megatron.models.config import ModelConfig, PrecisionConfig
 
 
 def has_local_attention(model) -> bool:
@@ -159,23 +60,13 @@ def use_transformer_engine(device_type: str, impl: str = "auto") -> bool:
 def validate_precision(prec: PrecisionConfig, device_type: str, *, hardware: bool = True) -> None:
     """The precision flags; ``hardware=False`` (a --dry-run, maybe on another machine) checks
     only what needs no GPU or Transformer Engine here."""
-    if prec.transformer_impl not in ("auto", "local", "transformer_engine"):
-        raise ConfigError(f"--transformer-impl must be auto, local or transformer_engine "
-                          f"(got {prec.transformer_impl!r})")
-    if hardware and prec.transformer_impl == "transformer_engine" and (device_type != "cuda" or not te_available()):
+    prec.validate()
+    if not hardware:
+        return
+    if prec.transformer_impl == "transformer_engine" and (device_type != "cuda" or not te_available()):
         raise ConfigError("--transformer-impl transformer_engine needs a GPU and Transformer Engine "
                           f"({_te_import_error() or 'no GPU in this run'}): see docs/gpu.md")
     if prec.fp8_format is None:
-        return
-    if prec.transformer_impl == "local":
-        raise ConfigError("FP8 runs on Transformer Engine's layers: drop --transformer-impl local")
-    if prec.fp8_format not in ("e4m3", "hybrid"):
-        raise ConfigError(f"--fp8-format must be e4m3 or hybrid (got {prec.fp8_format!r})")
-    if prec.fp8_recipe not in ("delayed", "tensorwise", "blockwise"):
-        raise ConfigError(
-            f"--fp8-recipe must be delayed, tensorwise or blockwise (got {prec.fp8_recipe!r})"
-        )
-    if not hardware:
         return
     if device_type != "cuda":
         raise ConfigError("FP8 needs a GPU with Transformer Engine; it cannot run in CPU mode")
@@ -185,29 +76,6 @@ def validate_precision(prec: PrecisionConfig, device_type: str, *, hardware: boo
     major, _ = torch.cuda.get_device_capability()
     if major < 9:
         raise ConfigError("FP8 needs a Hopper (sm90) or newer GPU")
-
-
-def validate_fp8_shapes(cfg: ModelConfig, tp: int, seq_length: int, sequence_parallel: bool = False) -> None:
-    """FP8 GEMMs need the token dimension a multiple of 8 and the weight dimensions of 16.
-
-    A multiple of 8 in ``seq_length`` (per rank under sequence parallelism) leaves room for the
-    widths the passes use: the trainer pads each batch to 8 tokens per rank
-    (``Trainer._width_multiple``), which never exceeds ``seq_length``, and packed rows are
-    multiples of 8 x TP.
-    """
-    local = seq_length // tp if sequence_parallel else seq_length
-    if local % 8:
-        raise ConfigError(f"FP8 needs --seq-length{' / TP' if sequence_parallel else ''} "
-                          f"({local}) to be a multiple of 8")
-    head_dim = cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads
-    groups = cfg.num_query_groups or cfg.num_attention_heads
-    dims = {"hidden size": cfg.hidden_size, "FFN size / TP": cfg.ffn_hidden_size // tp,
-            "query projection / TP": cfg.num_attention_heads * head_dim // tp,
-            "key/value projection / TP": groups * head_dim // tp,
-            "padded vocabulary / TP": cfg.padded_vocab_size(tp) // tp}
-    for name, size in dims.items():
-        if size % 16:
-            raise ConfigError(f"FP8 needs every GEMM dimension to be a multiple of 16: the {name} is {size}")
 
 
 def transformer_config(cfg: ModelConfig, tp: int, pp: int, prec: PrecisionConfig | None = None,
@@ -333,3 +201,21 @@ def build_for_this_rank(cfg: ModelConfig, prec: PrecisionConfig | None = None, *
         sequence_parallel=sequence_parallel,
     )
     return model.cuda(torch.cuda.current_device())
+
+
+def unwrap(model):
+    """The GPTModel inside DDP (and Float16Module) wrappers."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+@torch.no_grad()
+def global_param_name(gpt_model, name: str) -> str:
+    """Rename local ``decoder.layers.i.`` to the global layer index (PP-stage independent)."""
+    prefix = "decoder.layers."
+    if not name.startswith(prefix):
+        return name
+    local, rest = name[len(prefix):].split(".", 1)
+    global_index = gpt_model.decoder.layers[int(local)].layer_number - 1
+    return f"{prefix}{global_index}.{rest}"

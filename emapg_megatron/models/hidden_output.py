@@ -32,7 +32,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from emapg_megatron.training.model_and_optimizer import unwrap
+from emapg_megatron.models.gpt import unwrap
 
 __all__ = ["OutputCapture", "output_layer_bypassed"]
 

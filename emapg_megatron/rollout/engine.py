@@ -14,7 +14,6 @@ from typing import Protocol, Sequence
 import torch
 import torch.distributed as dist
 
-
 WIDTH_MULTIPLE = 8
 """Batch widths are a multiple of this (tensor-parallel sizes up to 8 divide it, as sequence
 parallelism needs), and do not depend on the parallel layout."""

@@ -50,9 +50,6 @@ from emapg_megatron.rollout.episodes import Turn
 
 #: Share of the free GPU memory the cache of one wave may take (the rest: activations, logits).
 CACHE_MEMORY_FRACTION = 0.8
-#: Tokens (rows x width) above which a cached forward runs in micro-batches of rows: the default
-#: of --inference-batch-times-seqlen-threshold.
-MAX_FORWARD_TOKENS = 16384
 
 # What an ``advance`` callback says about each row after its sampled token.
 CONTINUE, DONE, RESTART = "continue", "done", "restart"

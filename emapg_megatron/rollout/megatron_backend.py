@@ -13,11 +13,11 @@ from transformers import AutoTokenizer
 from emapg_megatron import runtime
 from emapg_megatron.checkpoint import load_hf_weights
 from emapg_megatron.checkpoint.hf_config import model_config_from_hf, read_hf_config
+from emapg_megatron.errors import ConfigError
 from emapg_megatron.models.gpt import build_for_this_rank
 from emapg_megatron.multiprocess import free_port
-from emapg_megatron.rollout.kv_cache_decoding import MAX_FORWARD_TOKENS
+from emapg_megatron.rollout.config import MAX_FORWARD_TOKENS
 from emapg_megatron.rollout.megatron_sampler import MegatronSampler
-from emapg_megatron.runtime import ConfigError
 from emapg_megatron.tasks.base import encode_text
 
 
@@ -67,7 +67,7 @@ def load_megatron_backend(hf_dir: str, *, temperature: float = 1.0, top_p: float
         os.environ.setdefault(key, value)
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
     runtime.quiet_expected_warnings()
-    runtime.initialize(runtime.ParallelConfig(seed=seed))
+    runtime.initialize(runtime.ParallelConfig(), seed)
     model = build_for_this_rank(cfg)
     load_hf_weights([model], cfg, hf_dir)
     model.eval()

@@ -36,7 +36,8 @@ from emapg_megatron.rollout.episodes import (
     run_episodes,
     start_episodes,
 )
-from emapg_megatron.training.schedule import forward_only, split_microbatches
+from emapg_megatron.training.microbatches import split_microbatches
+from emapg_megatron.training.schedule import forward_only
 
 
 def sample_from_logits(logits: torch.Tensor, uniforms: torch.Tensor, temperature: float,

@@ -28,7 +28,7 @@ generate syncs from the trainer (``model_chunks``) through
 into the worker's ``model.load_weights`` via ``LLM.collective_rpc``.
 
 Importing this module never imports vLLM; constructing an engine without vLLM raises a
-one-line :class:`~emapg_megatron.runtime.ConfigError`.
+one-line :class:`~emapg_megatron.errors.ConfigError`.
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ import hashlib
 import logging
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -48,14 +47,15 @@ from megatron.core import parallel_state as ps
 from packaging.version import Version
 
 from emapg_megatron import runtime
+from emapg_megatron.errors import ConfigError
 from emapg_megatron.rollout import weight_sync
+from emapg_megatron.rollout.config import VLLMConfig
 from emapg_megatron.rollout.engine import (
     RolloutBatch,
     build_rollout_batch,
     warn_if_truncated_sampling,
 )
 from emapg_megatron.rollout.episodes import Episode, Turn, run_episodes
-from emapg_megatron.runtime import ConfigError
 from emapg_megatron.tasks.base import encode_text
 
 logger = logging.getLogger(__name__)
@@ -63,7 +63,6 @@ logger = logging.getLogger(__name__)
 INSTALL_HINT = ("pip install 'emapg-megatron[gpu]', or use the NGC-based image built from "
                 "docker/Dockerfile")
 MIN_VLLM = "0.10.2"  # logprobs_mode="processed_logprobs", V1 external_launcher, wake_up(tags=)
-DEFAULT_BUCKET_BYTES = 512 * 1024**2
 
 
 def import_vllm():
@@ -78,79 +77,6 @@ def import_vllm():
         raise ConfigError(f"vLLM {version} is too old for the rollout engine (needs >= {MIN_VLLM} "
                           f"for processed log-probs): {INSTALL_HINT}")
     return vllm
-
-
-# --- configuration --------------------------------------------------------------------
-@dataclass
-class VLLMConfig:
-    hf_dir: str
-    """Tokenizer and config.json; the weights come from the trainer."""
-    tensor_parallel_size: int = 1
-    """vLLM's TP degree (divides the trainer's)."""
-    gpu_memory_utilization: float = 0.5
-    """Fraction of the whole GPU (weights + KV cache) vLLM may use while awake."""
-    dtype: str = "bfloat16"
-    """vLLM's weight dtype (the sync loads BF16 tensors as they are)."""
-    sleep_level: int = 2
-    """0: never sleep (vLLM keeps its memory during training). 2 (default) drops the weights too:
-    each step's sync overwrites them anyway, so level 1's copy to CPU and back buys nothing."""
-    enforce_eager: bool = False
-    """Skip CUDA-graph capture (faster start, slower decode)."""
-    enable_prefix_caching: bool = True
-    """The n samples of a prompt share its prefill."""
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES
-    """Weight-sync bucket size."""
-    seed: int = 1234
-    """Sampling seed."""
-    per_request_seed: bool = True
-    """Seed each request from its global sequence index: samples independent of the DP layout."""
-    llm_kwargs: dict = field(default_factory=dict)
-    """Anything else for vllm.LLM."""
-
-    def validate(self, trainer_tp: int | None = None) -> None:
-        if not os.path.isfile(os.path.join(self.hf_dir, "config.json")):
-            raise ConfigError(f"vLLM needs a Hugging Face model directory with config.json and the "
-                              f"tokenizer: {self.hf_dir}")
-        self.check_settings(trainer_tp)
-
-    def check_settings(self, trainer_tp: int | None = None) -> None:
-        """Everything but the model directory; the CLI runs this before any work starts."""
-        if self.sleep_level not in (0, 1, 2):
-            raise ConfigError(f"vLLM sleep level must be 0, 1 or 2 (got {self.sleep_level})")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ConfigError(f"--vllm-gpu-memory-utilization must be in (0, 1] "
-                              f"(got {self.gpu_memory_utilization})")
-        if self.bucket_bytes <= 0:
-            raise ConfigError(f"--vllm-weight-sync-bucket-mb must be > 0 "
-                              f"(got {self.bucket_bytes / 2**20:g})")
-        refused = sorted({"quantization", "kv_cache_dtype"} & set(self.llm_kwargs))
-        if refused:
-            # The sync loads the trainer's BF16 tensors as they are: quantized vLLM weights would
-            # need re-quantizing after every load.
-            raise ConfigError(f"vLLM llm_kwargs {refused} are not supported by the weight sync")
-        tp = self.tensor_parallel_size
-        if tp < 1 or (trainer_tp is not None and trainer_tp % tp != 0):
-            # A vLLM TP group must not straddle two data-parallel ranks (different prompts).
-            raise ConfigError(f"--vllm-tensor-parallel-size {tp} must divide "
-                              f"--tensor-model-parallel-size {trainer_tp}")
-
-    def llm_kwargs_for(self, max_model_len: int) -> dict:
-        return {
-            "model": self.hf_dir,
-            "tokenizer": self.hf_dir,
-            "dtype": self.dtype,
-            "seed": self.seed,
-            "tensor_parallel_size": self.tensor_parallel_size,
-            "distributed_executor_backend": "external_launcher",
-            "gpu_memory_utilization": self.gpu_memory_utilization,
-            "max_model_len": max_model_len,
-            "enable_sleep_mode": self.sleep_level > 0,
-            "enforce_eager": self.enforce_eager,
-            "enable_prefix_caching": self.enable_prefix_caching,
-            "load_format": "dummy",
-            "logprobs_mode": "processed_logprobs",
-            **self.llm_kwargs,
-        }
 
 
 def request_seed(base: int, step: int, index: int, turn: int = 0) -> int:
@@ -216,6 +142,7 @@ class VLLMEngine:
                  model_chunks=None, trainer_tp: int | None = None, pipeline_parallel: int = 1):
         vllm = import_vllm()
         cfg.validate(trainer_tp)
+        cfg = cfg.for_trainer(trainer_tp)
         # The worker (and its model) must live in this process for load_weights.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if dist.is_initialized():  # external_launcher reads these; torchrun sets them, python does not

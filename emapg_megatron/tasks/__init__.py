@@ -26,8 +26,6 @@ from .base import (
     encode_text,
     render_prompt,
 )
-from .math import MathTask
-from .search import SearchTask
 
 __all__ = [
     "Task",
@@ -48,10 +46,14 @@ __all__ = [
 
 
 def _math(**kw: Any) -> Task:
+    from .math import MathTask
+
     return MathTask(**kw)
 
 
 def _search(**kw: Any) -> Task:
+    from .search import SearchTask
+
     return SearchTask(**kw)
 
 

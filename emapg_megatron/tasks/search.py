@@ -48,6 +48,7 @@ from .base import (
     encode_text,
     render_prompt,
 )
+from .config import DEFAULT_MAX_TURNS
 from .retriever import Retriever, format_passages, make_retriever
 
 logger = logging.getLogger(__name__)
@@ -203,7 +204,7 @@ SEARCH_R1_INSTRUCTION = (
 @dataclass
 class SearchConfig:
     #: max model turns per episode (at most max_turns - 1 searches)
-    max_turns: int = 4
+    max_turns: int = DEFAULT_MAX_TURNS
     #: per-turn token budget (sampler max_new_tokens; enforced by the env when it has a tokenizer)
     max_turn_tokens: Optional[int] = 500
     #: observation token budget (enforced when the env has a tokenizer)

@@ -10,26 +10,29 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from emapg_megatron import runtime
-from emapg_megatron.runtime import ConfigError
+from emapg_megatron import errors, runtime
+
+#: What :func:`on_rank0` raises on every rank: the one-line error kinds, by name.
+_SHARED_ERRORS = {cls.__name__: cls for cls in (errors.ConfigError, errors.RunError, errors.WeightsError,
+                                                 errors.CheckpointWriteError, errors.SkippedStepsError)}
 
 
 def on_rank0(fn):
-    """``fn()`` on global rank 0 only, its (picklable) result on every rank. A ConfigError it
-    raises is raised on every rank, so none is left waiting in a later collective. Without a
-    process group, just ``fn()``."""
+    """``fn()`` on global rank 0 only, its (picklable) result on every rank. A ConfigError or
+    RunError it raises is raised, of the same kind, on every rank, so none is left waiting in a
+    later collective. Without a process group, just ``fn()``."""
     if not (dist.is_available() and dist.is_initialized()):
         return fn()
-    box = [None, None]  # result, error
+    box = [None, None, None]  # result, error kind, message
     if dist.get_rank() == 0:
         try:
             box[0] = fn()
-        except ConfigError as e:
-            box[1] = str(e)
+        except (errors.ConfigError, errors.RunError) as e:
+            box[1:] = type(e).__name__, str(e)
     if dist.get_world_size() > 1:
         dist.broadcast_object_list(box, src=0)  # our own values, not user data
     if box[1] is not None:
-        raise ConfigError(box[1])
+        raise _SHARED_ERRORS.get(box[1], errors.RunError)(box[2])
     return box[0]
 
 

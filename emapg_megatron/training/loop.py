@@ -14,9 +14,10 @@ import time
 
 import torch.distributed as dist
 
-from emapg_megatron.runtime import ConfigError
-from emapg_megatron.training import checkpointing
+from emapg_megatron.checkpoint import training as checkpointing
+from emapg_megatron.errors import SkippedStepsError
 from emapg_megatron.training.collectives import any_true
+from emapg_megatron.training.config import CheckpointConfig, LoopConfig
 from emapg_megatron.training.optimizer_step import check_weights
 
 
@@ -25,13 +26,14 @@ def log0(msg: str) -> None:
         print(msg, flush=True)
 
 
-def save(args, trainer, iteration: int) -> None:
-    """A checkpoint of step ``iteration``, never of non-finite or exploded weights."""
+def save(trainer, root: str, iteration: int, flags: dict | None = None) -> None:
+    """A checkpoint of step ``iteration`` under ``root``, never of non-finite or exploded weights;
+    it records the run's ``flags`` (what a resume compares)."""
     check_weights(trainer.model_chunks, f"before saving step {iteration}")
     checkpointing.check_finite_before_save(trainer.model_chunks, trainer.anchor, iteration)
     common = {"iteration": iteration, **trainer.common_state_dict(),
-              "args": json.dumps(vars(args), default=str)}
-    path = checkpointing.save(args.save, iteration, trainer.sharded_state_dict(), common)
+              "args": json.dumps(flags or {}, default=str)}
+    path = checkpointing.save(root, iteration, trainer.sharded_state_dict(), common)
     log0(f"saved checkpoint {path}")
 
 
@@ -41,22 +43,23 @@ TRAJECTORY_FLAGS = ("seed", "task", "data_path", "long_prompts", "rollout_batch_
                     "num_samples_per_prompt", "max_new_tokens", "temperature", "top_p")
 
 
-def changed_trajectory_flags(saved: dict, args) -> list[str]:
+def changed_trajectory_flags(saved: dict, flags: dict) -> list[str]:
     """``--flag old -> new`` for each of :data:`TRAJECTORY_FLAGS` that differs from the saved run
     (the checkpoint keeps its flags as strings)."""
-    return [f"--{k.replace('_', '-')} {saved[k]} -> {getattr(args, k)}" for k in TRAJECTORY_FLAGS
-            if k in saved and str(saved[k]) != str(getattr(args, k))]
+    return [f"--{k.replace('_', '-')} {saved[k]} -> {flags[k]}" for k in TRAJECTORY_FLAGS
+            if k in saved and k in flags and str(saved[k]) != str(flags[k])]
 
 
-def resume(args, trainer) -> int:
-    """Load ``--load``'s latest checkpoint into ``trainer``; returns its step."""
-    iteration = checkpointing.agreed_latest_iteration(args.load)
-    trainer.prepare_to_load(checkpointing.iteration_dir(args.load, iteration))
-    loaded = checkpointing.load(args.load, trainer.sharded_state_dict(is_loading=True), iteration)
+def resume(root: str, trainer, flags: dict | None = None) -> int:
+    """Load the latest checkpoint under ``root`` (--load) into ``trainer``; returns its step. Warns
+    when the run's ``flags`` change the trajectory the checkpoint's run followed."""
+    iteration = checkpointing.agreed_latest_iteration(root)
+    trainer.prepare_to_load(checkpointing.iteration_dir(root, iteration))
+    loaded = checkpointing.load(root, trainer.sharded_state_dict(is_loading=True), iteration)
     trainer.load_state_dict(loaded)
-    log0(f"resumed from {args.load} at step {iteration}")
+    log0(f"resumed from {root} at step {iteration}")
     saved = json.loads(loaded["common"].get("args", "{}"))
-    if changed := changed_trajectory_flags(saved, args):
+    if changed := changed_trajectory_flags(saved, flags or {}):
         log0(f"warning: resumed with other settings than the checkpoint's ({'; '.join(changed)}): "
              "data order and samples differ from the uninterrupted run")
     return iteration
@@ -92,24 +95,27 @@ class StopFlag:
         return any_true(self.requested_at is not None)
 
 
-def run_steps(args, trainer, logger, start: int) -> int:
+def run_steps(loop: LoopConfig, ckpt: CheckpointConfig, trainer, logger, start: int,
+              flags: dict | None = None) -> int:
+    """Steps ``start + 1 ..`` --train-iters, a checkpoint on the interval, at the end and on a
+    signal (recording the run's ``flags``); returns the last step run."""
     stop = StopFlag()
     iteration = start
-    for iteration in range(start + 1, args.train_iters + 1):
+    for iteration in range(start + 1, loop.train_iters + 1):
         metrics = trainer.step(iteration)
         logger.log(iteration, metrics)
-        if trainer.skipped_steps > args.max_skipped_steps:
-            raise ConfigError(f"stopping: {trainer.skipped_steps} steps skipped for non-finite "
-                              f"loss or gradients (--max-skipped-steps {args.max_skipped_steps})")
+        if trainer.skipped_steps > loop.max_skipped_steps:
+            raise SkippedStepsError(f"stopping: {trainer.skipped_steps} steps skipped for non-finite "
+                                    f"loss or gradients (--max-skipped-steps {loop.max_skipped_steps})")
         stopping = stop.agreed()
-        if args.save and (stopping or (args.save_interval and iteration % args.save_interval == 0)):
-            save(args, trainer, iteration)
+        if ckpt.save and (stopping or ckpt.due(iteration)):
+            save(trainer, ckpt.save, iteration, flags)
         if stopping:
             log0(f"signal received: stopped after step {iteration}")
             return iteration
     ran = iteration > start  # a resume at --train-iters runs nothing: its checkpoint is the latest
-    if ran and args.save and not (args.save_interval and iteration % args.save_interval == 0):
-        save(args, trainer, iteration)
+    if ran and ckpt.save and not ckpt.due(iteration):
+        save(trainer, ckpt.save, iteration, flags)
     return iteration
 
 

@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
-import torch
 from megatron.core.distributed import (
     DistributedDataParallel,
     DistributedDataParallelConfig,
@@ -14,47 +10,9 @@ from megatron.core.distributed import (
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.transformer.module import Float16Module
 
-from emapg_megatron.models.gpt import ModelConfig, PrecisionConfig, build_for_this_rank
-from emapg_megatron.runtime import ConfigError
-
-
-@dataclass
-class OptimConfig:
-    """Megatron's Adam optimizer (``get_megatron_optimizer``)."""
-
-    lr: float = 1e-6
-    """Peak learning rate."""
-    min_lr: float = 0.0
-    """Final learning rate of the decay."""
-    weight_decay: float = 0.01
-    """AdamW weight decay."""
-    adam_beta1: float = 0.9
-    """Adam beta1."""
-    adam_beta2: float = 0.999
-    """Adam beta2."""
-    adam_eps: float = 1e-8
-    """Adam epsilon."""
-    clip_grad: float = 1.0
-    """Global gradient-norm clip; 0 disables."""
-    use_distributed_optimizer: bool = False
-    """Shard optimizer state and fp32 main params across data-parallel ranks."""
-
-    def validate(self) -> None:
-        """The optimizer's flags, checked once (raises ConfigError with one line)."""
-        finite = all(math.isfinite(v) for v in (self.lr, self.min_lr, self.weight_decay, self.adam_eps,
-                                                self.clip_grad))
-        checks = [
-            (finite, "--lr, --min-lr, --weight-decay, --adam-eps and --clip-grad must be finite"),
-            (0.0 <= self.min_lr <= self.lr, f"need 0 <= --min-lr <= --lr (got {self.min_lr}, {self.lr})"),
-            (self.weight_decay >= 0.0, f"--weight-decay must be >= 0 (got {self.weight_decay})"),
-            (0.0 <= self.adam_beta1 < 1.0 and 0.0 <= self.adam_beta2 < 1.0,
-             f"--adam-beta1 and --adam-beta2 must be in [0, 1) (got {self.adam_beta1}, {self.adam_beta2})"),
-            (self.adam_eps > 0.0, f"--adam-eps must be > 0 (got {self.adam_eps})"),
-            (self.clip_grad >= 0.0, f"--clip-grad must be >= 0 (got {self.clip_grad})"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise ConfigError(message)
+from emapg_megatron.models.config import ModelConfig, PrecisionConfig
+from emapg_megatron.models.gpt import build_for_this_rank
+from emapg_megatron.training.config import OptimConfig
 
 
 def wrap_ddp(model, *, use_distributed_optimizer: bool):
@@ -102,25 +60,9 @@ def build_model_and_optimizer(cfg: ModelConfig, optim: OptimConfig, prec: Precis
     return [model], build_optimizer([model], optim, prec)
 
 
-def unwrap(model):
-    """The GPTModel inside DDP (and Float16Module) wrappers."""
-    while hasattr(model, "module"):
-        model = model.module
-    return model
-
-
 def zero_grads(model_chunks, optimizer) -> None:
     for chunk in model_chunks:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
 
 
-@torch.no_grad()
-def global_param_name(gpt_model, name: str) -> str:
-    """Rename local ``decoder.layers.i.`` to the global layer index (PP-stage independent)."""
-    prefix = "decoder.layers."
-    if not name.startswith(prefix):
-        return name
-    local, rest = name[len(prefix):].split(".", 1)
-    global_index = gpt_model.decoder.layers[int(local)].layer_number - 1
-    return f"{prefix}{global_index}.{rest}"

@@ -11,10 +11,11 @@ token loads balanced between them. :func:`pack` lays each micro-batch out as one
 * the local spec (CPU): a block-diagonal causal mask, and RoPE taken at the per-sequence positions
   (GPTModel ignores ``position_ids`` under RoPE, see :func:`rope_at`): the same arithmetic.
 
-:func:`model_inputs` picks one from the model. Per-token outputs come back to ``[S, L]`` with
-:func:`unpack`; inside a loss, :func:`to_sequences` lays packed per-token values out per sequence so
-every aggregation (token-mean, seq-mean-token-sum, ...) is the padded one. Normalisers stay those of
-the padded batch: packing only moves tokens between micro-batches.
+:meth:`PackedRow.model_inputs` picks one from the model. Per-token outputs come back to ``[S, L]``
+with :func:`unpack`; inside a loss, :meth:`PackedRow.per_sequence` lays packed per-token values out
+per sequence so every aggregation (token-mean, seq-mean-token-sum, ...) is the padded one.
+Normalisers stay those of the padded batch: packing only moves tokens between micro-batches.
+:class:`PackedBatches` is this module as a micro-batching strategy (``training.microbatches``).
 """
 
 from __future__ import annotations
@@ -28,10 +29,8 @@ import torch
 from megatron.core import parallel_state as ps
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from emapg_megatron.algo import policy_loss
-from emapg_megatron.models.gpt import has_local_attention
+from emapg_megatron.models.gpt import has_local_attention, unwrap
 from emapg_megatron.training.collectives import gather_ragged
-from emapg_megatron.training.model_and_optimizer import unwrap
 
 ROW_MULTIPLE = 8
 """Packed rows are a multiple of this x TP tokens: sequence parallelism splits a row over TP, and
@@ -39,8 +38,9 @@ FP8 GEMMs need token counts that are multiples of 8."""
 
 
 @dataclass
-class Layout:
-    """Where a micro-batch's sequences lie in its packed row (``rows``: batch indices)."""
+class PackedRow:
+    """The layout of a packed micro-batch: where its sequences lie in its ``[1, T]`` row (``rows``:
+    their indices in the batch) and what the model must be told of their boundaries."""
 
     rows: list[int]
     lengths: list[int]
@@ -48,6 +48,31 @@ class Layout:
     @property
     def used(self) -> int:
         return sum(self.lengths)
+
+    def model_inputs(self, model, mb: dict) -> dict:
+        """Keyword args of ``schedule.model_output``: THD params for Transformer Engine, a block
+        mask for the local spec; per-sequence positions for both."""
+        if not has_local_attention(model):
+            return {"position_ids": mb["position_ids"], "packed_seq_params": thd_params(mb["cu_seqlens"])}
+        return {"position_ids": mb["position_ids"],
+                "attention_mask": block_causal_mask(mb["cu_seqlens"], mb["tokens"].shape[1])}
+
+    def per_sequence(self, *tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        """Packed ``[1, T, ...]`` per-token values as ``[n, max_len, ...]`` (differentiable, zero
+        padded, None kept): for the per-sequence aggregation of the loss. Per-token scalars are
+        cheap to move, while the vocabulary-sized work stays on packed tokens."""
+        width = max(self.lengths, default=1)
+        device = next(t.device for t in tensors if t is not None)
+        dst = token_index(list(range(len(self.rows))), self.lengths, width, device)
+
+        def one(t):
+            if t is None:
+                return None
+            src = t[0, :self.used]
+            flat = src.new_zeros(len(self.rows) * width, *src.shape[1:]).index_copy(0, dst, src)
+            return flat.view(len(self.rows), width, *src.shape[1:])
+
+        return tuple(one(t) for t in tensors)
 
 
 @dataclass
@@ -62,9 +87,27 @@ class PackPlan:
     row_tokens: list[int]
     """Packed row length of each micro-batch (all equal under pipeline parallelism)."""
 
+    @property
     def padding_fraction(self) -> float:
+        """Share of the packed rows' token slots that hold no sequence token."""
         real = sum(self.lengths[i] for g in self.groups for i in g)
         return 1.0 - real / max(sum(self.row_tokens), 1)
+
+    def split(self, batch: dict) -> list[dict]:
+        return pack(batch, self)
+
+    def merge(self, outputs: list[dict], microbatches: list[dict]) -> dict:
+        return unpack(outputs, microbatches, self.shape)
+
+
+@dataclass
+class PackedBatches:
+    """``--sequence-packing``: whole sequences packed into rows of at most ``token_budget`` tokens."""
+
+    token_budget: int
+
+    def plan(self, batch: dict) -> PackPlan:
+        return plan(batch, self.token_budget)
 
 
 # --- the planner (pure) -----------------------------------------------------------------------
@@ -76,11 +119,6 @@ def sequence_lengths(mask: torch.Tensor) -> list[int]:
     pos = torch.arange(L, device=mask.device).expand(S, L)
     last = torch.where(mask != 0, pos, torch.full_like(pos, -1)).max(dim=1).values
     return (last + 2).clamp(1, L).tolist()
-
-
-def padded_fraction(mask: torch.Tensor) -> float:
-    """Share of an unpacked ``[S, L]`` batch's token slots that no loss term needs."""
-    return 1.0 - sum(sequence_lengths(mask)) / max(mask.numel(), 1)
 
 
 def balanced_bins(lengths: list[int], n_bins: int, budget: int) -> list[list[int]] | None:
@@ -149,25 +187,25 @@ def plan(batch: dict, max_tokens: int, *, lengths: list[int] | None = None) -> P
 
 
 # --- packing and unpacking ---------------------------------------------------------------------
-def token_index(layout: Layout, L: int, device) -> torch.Tensor:
-    """Flat indices into ``[S * L]`` of the first ``layout.lengths[k]`` entries of each row
-    ``layout.rows[k]``, in that order: a micro-batch's tokens in packed order."""
-    parts = [r * L + torch.arange(n, device=device) for r, n in zip(layout.rows, layout.lengths)]
+def token_index(rows: list[int], lengths: list[int], L: int, device) -> torch.Tensor:
+    """Flat indices into ``[S * L]`` of the first ``lengths[k]`` entries of each row ``rows[k]``,
+    in that order: a micro-batch's tokens in packed order."""
+    parts = [r * L + torch.arange(n, device=device) for r, n in zip(rows, lengths)]
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long, device=device)
 
 
-def _segments(layout: Layout, T: int) -> list[int]:
+def _segments(layout: PackedRow, T: int) -> list[int]:
     """Segment lengths of a packed row: the sequences, then the padding as one more segment."""
     return layout.lengths + ([T - layout.used] if T > layout.used else [])
 
 
-def pack_one(batch: dict, layout: Layout, T: int) -> dict:
+def pack_one(batch: dict, layout: PackedRow, T: int) -> dict:
     """One micro-batch as a ``[1, T]`` row: per-token ``[S, L, ...]`` values packed (zero padding),
     per-sequence ``[S, ...]`` values selected, None kept; plus ``position_ids``, ``cu_seqlens``
-    (padding is a last segment of its own) and the ``packing`` layout."""
+    (padding is a last segment of its own) and its ``layout``."""
     S, L = batch["tokens"].shape
     device = batch["tokens"].device
-    idx = token_index(layout, L, device)
+    idx = token_index(layout.rows, layout.lengths, L, device)
     rows = torch.tensor(layout.rows, dtype=torch.long, device=device)
     mb = {}
     for k, v in batch.items():
@@ -181,13 +219,13 @@ def pack_one(batch: dict, layout: Layout, T: int) -> dict:
     seg = _segments(layout, T)
     mb["position_ids"] = torch.cat([torch.arange(n, device=device) for n in seg]).unsqueeze(0)
     mb["cu_seqlens"] = torch.tensor([0, *itertools.accumulate(seg)], dtype=torch.int32, device=device)
-    mb["packing"] = layout
+    mb["layout"] = layout
     return mb
 
 
 def pack(batch: dict, p: PackPlan) -> list[dict]:
     """The plan's micro-batches of ``batch``, ready for ``forward_only`` / ``forward_backward``."""
-    return [pack_one(batch, Layout(g, [p.lengths[i] for i in g]), T)
+    return [pack_one(batch, PackedRow(g, [p.lengths[i] for i in g]), T)
             for g, T in zip(p.groups, p.row_tokens)]
 
 
@@ -201,43 +239,10 @@ def unpack(outputs: list[dict], microbatches: list[dict], shape: tuple[int, int]
     for k, first in outputs[0].items():
         full = first.new_zeros(S * L, *first.shape[2:])
         for o, mb in zip(outputs, microbatches):
-            layout = mb["packing"]
-            full[token_index(layout, L, full.device)] = o[k][0, :layout.used]
+            layout = mb["layout"]
+            full[token_index(layout.rows, layout.lengths, L, full.device)] = o[k][0, :layout.used]
         out[k] = full.view(S, L, *first.shape[2:])
     return out
-
-
-def to_sequences(mb: dict, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Packed ``[1, T, ...]`` per-token values as ``[n, max_len, ...]`` (differentiable, zero
-    padded, None kept); a padded micro-batch's are returned as they are.
-
-    For the per-sequence aggregation of the loss: per-token scalars are cheap to move, while the
-    vocabulary-sized work stays on packed tokens.
-    """
-    layout = mb.get("packing")
-    if layout is None:
-        return tensors
-    width = max(layout.lengths, default=1)
-    dst = token_index(Layout(list(range(len(layout.rows))), layout.lengths), width, mb["tokens"].device)
-
-    def one(t):
-        if t is None:
-            return None
-        src = t[0, :layout.used]
-        flat = src.new_zeros(len(layout.rows) * width, *src.shape[1:]).index_copy(0, dst, src)
-        return flat.view(len(layout.rows), width, *src.shape[1:])
-
-    return tuple(one(t) for t in tensors)
-
-
-def policy_loss_terms(mb: dict, logprob, old_logprob, advantages, kl, entropy, mask, cfg,
-                      sampling_logprob=None):
-    """``algo.policy_loss.policy_loss_terms`` for the micro-batch ``mb``, padded or packed: the
-    per-sequence aggregation sees each sequence's tokens as the padded batch has them."""
-    logprob, old_logprob, kl, entropy, mask, sampling_logprob = to_sequences(
-        mb, logprob, old_logprob, kl, entropy, mask, sampling_logprob)
-    return policy_loss.policy_loss_terms(logprob, old_logprob, advantages, kl, entropy, mask, cfg,
-                                         sampling_logprob=sampling_logprob)
 
 
 # --- what the model is given ----------------------------------------------------------------------
@@ -283,16 +288,6 @@ def local_attention_cost(budget: int, micro_batch_size: int, seq_length: int) ->
     return (f"--sequence-packing on the local spec: a packed row of {budget} tokens attends through "
             f"a [T, T] block mask and scores, {ratio:.0f}x the attention memory of a padded "
             f"micro-batch; use Transformer Engine (THD) or a smaller --max-tokens-per-microbatch")
-
-
-def model_inputs(model, mb: dict) -> dict:
-    """Keyword args of ``schedule.logits_of`` for ``mb``: none for a padded micro-batch."""
-    if "packing" not in mb:
-        return {}
-    if not has_local_attention(model):  # TE: THD packing
-        return {"position_ids": mb["position_ids"], "packed_seq_params": thd_params(mb["cu_seqlens"])}
-    return {"position_ids": mb["position_ids"],
-            "attention_mask": block_causal_mask(mb["cu_seqlens"], mb["tokens"].shape[1])}
 
 
 @contextlib.contextmanager

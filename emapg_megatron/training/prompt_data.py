@@ -3,7 +3,7 @@
 :func:`load_training_prompts` runs before the process group and the model exist. It loads the
 task's rows (the data file, or the task's built-in rows), renders and tokenizes every prompt
 exactly as the trainer's rollout does (``encode_text(tokenizer, task.prompt(row, tokenizer))``)
-and refuses, with one :class:`~emapg_megatron.runtime.ConfigError` line, everything that would
+and refuses, with one :class:`~emapg_megatron.errors.ConfigError` line, everything that would
 otherwise stop the run later with a traceback: a missing, unreadable or empty file, a file whose
 rows are all malformed, missing columns, and prompts too long for ``--seq-length``.
 
@@ -17,7 +17,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
-from emapg_megatron.runtime import ConfigError
+from emapg_megatron.errors import ConfigError
 from emapg_megatron.tasks.base import encode_many, encode_text
 from emapg_megatron.tasks.data import DataFileError, MissingColumnError
 

@@ -14,7 +14,7 @@ import fcntl
 import os
 import socket
 
-from emapg_megatron.runtime import ConfigError
+from emapg_megatron.errors import ConfigError
 from emapg_megatron.training.collectives import on_rank0
 
 LOCK_NAME = ".emapg-run.lock"

@@ -3,9 +3,10 @@
 Every pass over the model (sampling, the old-policy and anchor passes, training) goes
 through ``get_forward_backward_func()``, so the same code runs at any PP size. A pass takes
 a list of micro-batches (dicts of equal-shape tensors; ``tokens`` is ``[mbs, seq]``) and a
-function of ``(logits_shard, micro_batch)`` evaluated on the last pipeline stage, where
-``logits_shard`` is ``[mbs, seq, V/TP]``. A packed micro-batch (``training.packing``: one ``[1, T]``
-row of whole sequences) is run with its sequence boundaries; padded ones are run as they are.
+function of ``(head_input, micro_batch)`` evaluated on the last pipeline stage: the vocab-sharded
+logits ``[mbs, seq, V/TP]``, or with the fused LM head the final hidden states with the output
+weight (``HiddenAndWeight``). Each micro-batch's layout (``training.microbatches``) says what the
+model is given besides the tokens: nothing for padded rows, the sequence boundaries for a packed one.
 """
 
 from __future__ import annotations
@@ -18,20 +19,23 @@ from megatron.core.transformer.module import Float16Module
 
 from emapg_megatron.models.hidden_output import output_layer_bypassed
 from emapg_megatron.parallel.output_heads import HiddenAndWeight
-from emapg_megatron.training.packing import model_inputs, rope_at
+from emapg_megatron.training.microbatches import layout_of
+from emapg_megatron.training.packing import rope_at
 
 
 def positions_for(tokens: torch.Tensor) -> torch.Tensor:
     return torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
 
 
-def logits_of(model, tokens: torch.Tensor, *, position_ids: torch.Tensor | None = None,
-              attention_mask: torch.Tensor | None = None, packed_seq_params=None) -> torch.Tensor:
-    """The model's vocab-sharded logits in its compute dtype.
+def model_output(model, tokens: torch.Tensor, *, position_ids: torch.Tensor | None = None,
+                 attention_mask: torch.Tensor | None = None, packed_seq_params=None) -> torch.Tensor:
+    """What this pipeline stage outputs, in the model's compute dtype: the vocab-sharded logits
+    on the last stage (the final hidden states while ``models.hidden_output`` bypasses the output
+    layer), hidden states on the others.
 
     Megatron's ``Float16Module`` casts bf16 logits to fp32 unless told not to: a second, twice as
     large copy of the biggest activation. The vocab-parallel ops upcast chunk by chunk instead.
-    The keyword arguments carry packed sequences (``packing.model_inputs``); given
+    The keyword arguments carry packed sequences (``PackedRow.model_inputs``); given
     ``position_ids`` without ``packed_seq_params``, RoPE is taken at them (``packing.rope_at``).
     """
     kwargs = {"fp32_output": False} if isinstance(getattr(model, "module", None), Float16Module) else {}
@@ -42,8 +46,8 @@ def logits_of(model, tokens: torch.Tensor, *, position_ids: torch.Tensor | None 
         return model(tokens, positions, attention_mask, **kwargs)
 
 
-def _logits(model, mb: dict) -> torch.Tensor:
-    return logits_of(model, mb["tokens"], **model_inputs(model, mb))
+def _stage_output(model, mb: dict) -> torch.Tensor:
+    return model_output(model, mb["tokens"], **layout_of(mb).model_inputs(model, mb))
 
 
 def _output(model, mb: dict, fused_lmhead: bool):
@@ -54,10 +58,10 @@ def _output(model, mb: dict, fused_lmhead: bool):
     the logits are formed chunk by chunk by ``parallel.lmhead_terms``. Other stages are unchanged.
     """
     if not fused_lmhead:
-        logits = _logits(model, mb)
+        logits = _stage_output(model, mb)
         return logits, lambda output: output
     with output_layer_bypassed(model) as cap:
-        hidden = _logits(model, mb)
+        hidden = _stage_output(model, mb)
     weight = cap.weight
     return hidden, lambda output: output if weight is None else HiddenAndWeight(output, weight)
 
@@ -79,8 +83,8 @@ def _run(model_chunks, microbatches: list[dict], forward_step, *, forward_only: 
 
 def forward_only(model_chunks, microbatches: list[dict],
                  compute: Callable[[torch.Tensor, dict], dict], *, fused_lmhead: bool = False) -> list[dict]:
-    """``compute(logits_shard, mb)`` per micro-batch on the last stage (no grad); with
-    ``fused_lmhead``, ``compute(HiddenAndWeight, mb)``.
+    """``compute(head_input, mb)`` per micro-batch on the last stage (no grad): the logits shard,
+    or with ``fused_lmhead`` the ``HiddenAndWeight``.
 
     Returns the list of ``compute`` outputs on the last pipeline stage, ``[]`` elsewhere.
     """
@@ -102,8 +106,8 @@ def forward_only(model_chunks, microbatches: list[dict],
 def forward_backward(model_chunks, microbatches: list[dict],
                      loss: Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict]], *,
                      fused_lmhead: bool = False) -> list[dict]:
-    """Accumulate gradients of ``loss(logits_shard, mb) -> (scalar, metrics)`` over micro-batches
-    (``loss(HiddenAndWeight, mb)`` with ``fused_lmhead``).
+    """Accumulate gradients of ``loss(head_input, mb) -> (scalar, metrics)`` over micro-batches
+    (``head_input``: the logits shard, or with ``fused_lmhead`` the ``HiddenAndWeight``).
 
     Megatron divides each micro-batch loss by the number of micro-batches and DDP averages
     over data-parallel ranks; ``loss`` must be scaled accordingly by the caller. Returns the
@@ -117,17 +121,3 @@ def forward_backward(model_chunks, microbatches: list[dict],
 
     return _run(model_chunks, microbatches, forward_step, forward_only=False,
                 collect_non_loss_data=False)
-
-
-def split_microbatches(batch: dict, micro_batch_size: int) -> list[dict]:
-    """Split a dict of ``[S, ...]`` tensors (None values kept) into micro-batches."""
-    n = next(v for v in batch.values() if v is not None).shape[0]
-    return [{k: (v[i:i + micro_batch_size] if v is not None else None) for k, v in batch.items()}
-            for i in range(0, n, micro_batch_size)]
-
-
-def concat_outputs(outputs: list[dict]) -> dict:
-    """Concatenate per-micro-batch output dicts along dim 0."""
-    if not outputs:
-        return {}
-    return {k: torch.cat([o[k] for o in outputs], dim=0) for k in outputs[0]}

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from emapg_megatron import runtime
-from emapg_megatron.training.packing import Layout, token_index
+from emapg_megatron.training.packing import token_index
 
 
 # --- the assignment (pure) ---------------------------------------------------------------------
@@ -96,8 +96,8 @@ def exchange(batch: dict, lengths_by_rank: list[list[int]], dest: list[list[int]
     got = received(dest, rank)  # by source
     got_len = [lengths_by_rank[r][i] for r, i in got]
     width = -(-max(got_len, default=1) // width_multiple) * width_multiple
-    send_idx = token_index(Layout(sent, [mine[i] for i in sent]), L, device)
-    recv_idx = token_index(Layout(list(range(len(got))), got_len), width, device)
+    send_idx = token_index(sent, [mine[i] for i in sent], L, device)
+    recv_idx = token_index(list(range(len(got))), got_len, width, device)
     seq_splits = ([sum(d == k for d in dest[rank]) for k in range(len(dest))],
                   [sum(r == k for r, _ in got) for k in range(len(dest))])
     tok_splits = ([sum(mine[i] for i in range(S) if dest[rank][i] == k) for k in range(len(dest))],

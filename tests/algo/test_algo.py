@@ -1,8 +1,13 @@
 import torch
 
 from emapg_megatron.algo.advantages import compute_advantages
-from emapg_megatron.algo.policy_loss import (LossConfig, normaliser, per_sequence_weights,
-                                             policy_loss_terms, ppo_clip)
+from emapg_megatron.algo.config import LossConfig
+from emapg_megatron.algo.policy_loss import (
+    normaliser,
+    per_sequence_weights,
+    policy_loss_terms,
+    ppo_clip,
+)
 from emapg_megatron.rollout.megatron_sampler import sample_from_logits
 
 

@@ -5,9 +5,10 @@ import math
 import pytest
 import torch
 
-from emapg_megatron.algo.policy_loss import LossConfig, policy_loss_terms
+from emapg_megatron.algo.config import LossConfig
+from emapg_megatron.algo.policy_loss import policy_loss_terms
 from emapg_megatron.algo.rollout_correction import rollout_is_weights
-from emapg_megatron.runtime import ConfigError
+from emapg_megatron.errors import ConfigError
 
 # Ratios pi_old / pi_sampling of five tokens: far below, at the lower bound, 1, at and above C = 2.
 RHO = torch.tensor([[0.25, 0.5, 1.0, 2.0, 3.0]], dtype=torch.float64)

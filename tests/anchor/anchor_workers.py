@@ -28,11 +28,9 @@ def batch(seed, **kwargs):
 def build(*, seed=7, dist_opt=False, bf16=False, lr=1e-2, **overrides):
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from emapg_megatron.models.gpt import PrecisionConfig
-    from emapg_megatron.training.model_and_optimizer import (
-        OptimConfig,
-        build_model_and_optimizer,
-    )
+    from emapg_megatron.models.config import PrecisionConfig
+    from emapg_megatron.training.config import OptimConfig
+    from emapg_megatron.training.model_and_optimizer import build_model_and_optimizer
 
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
@@ -48,7 +46,7 @@ def anchor_for(chunks, opt, **cfg):
 
 
 def gpt_of(chunks):
-    from emapg_megatron.training.model_and_optimizer import unwrap
+    from emapg_megatron.models.gpt import unwrap
 
     return unwrap(chunks[0])
 
@@ -182,7 +180,7 @@ def load_model(chunks, opt, ckpt_dir):
 
 
 def error(fn):
-    from emapg_megatron.runtime import ConfigError
+    from emapg_megatron.errors import ConfigError
 
     try:
         fn()
@@ -244,7 +242,7 @@ def bf16_pitfall():
         for n, (p, _) in zip(naive, pairs):
             n.lerp_(p.detach(), 0.1)
     names = {id(p): n for n, p in gpt_of(chunks).named_parameters()}
-    from emapg_megatron.training.model_and_optimizer import global_param_name
+    from emapg_megatron.models.gpt import global_param_name
 
     ema = anchor.gathered()
     got = [ema[global_param_name(gpt_of(chunks), names[id(p)])].double() for p, _ in pairs]
@@ -420,8 +418,6 @@ def resume_run(root, *, split, steps=6, **cfg):
     """LM + β·KL training with the EMA; with ``split`` save after 3 steps and resume in fresh
     objects, through the trainer's own checkpoint path (``training.loop.save`` / ``resume``:
     model, optimizer and EMA state, torch RNG, EMA layout check, Adam step restore)."""
-    from types import SimpleNamespace
-
     from megatron.core import parallel_state as ps
 
     from emapg_megatron.training import loop
@@ -437,13 +433,13 @@ def resume_run(root, *, split, steps=6, **cfg):
     if not split:
         return record, anchor.gathered(), named_params(chunks)
 
-    args = SimpleNamespace(save=f"{root}/resume", load=f"{root}/resume")
-    loop.save(args, trainer, 3)
+    ckpt = f"{root}/resume"
+    loop.save(trainer, ckpt, 3)
     # Fresh objects with other weights: everything must come from the checkpoint.
     chunks, opt = build(dist_opt=True, bf16=True, seed=99)
     anchor = anchor_for(chunks, opt, update_period=2, **cfg)
     torch.manual_seed(12345)
-    assert loop.resume(args, checkpoint_trainer(chunks, opt, anchor)) == 3
+    assert loop.resume(ckpt, checkpoint_trainer(chunks, opt, anchor)) == 3
     assert ps.get_data_parallel_world_size() == 2
     for it in range(4, steps + 1):
         record.append(kl_step(chunks, opt, anchor, it, seed=30 + it))

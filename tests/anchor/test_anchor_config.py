@@ -8,7 +8,7 @@ import pytest
 from emapg_megatron.anchor import EmaConfig
 from emapg_megatron.anchor.checkpoint import flat_range_blocks
 from emapg_megatron.anchor.stability import assess
-from emapg_megatron.runtime import ConfigError
+from emapg_megatron.errors import ConfigError
 
 
 @pytest.mark.parametrize("kwargs, dist_opt, match", [

@@ -145,8 +145,9 @@ def parallel_job(hf_dirs: dict, root: str, bucket_bytes: int) -> dict:
     from megatron.core import parallel_state as ps
 
     from emapg_megatron.checkpoint import convert, weights
-    from emapg_megatron.models.gpt import PrecisionConfig
-    from emapg_megatron.training.model_and_optimizer import OptimConfig, build_model_and_optimizer
+    from emapg_megatron.models.config import PrecisionConfig
+    from emapg_megatron.training.config import OptimConfig
+    from emapg_megatron.training.model_and_optimizer import build_model_and_optimizer
 
     root = Path(root)
     tp = ps.get_tensor_model_parallel_world_size()
@@ -187,8 +188,10 @@ def fp8_job(hf_dir: str, root: str) -> dict:
 
     from emapg_megatron.checkpoint import convert, hf_config, weights
     from emapg_megatron.checkpoint.verify import megatron_logits
-    from emapg_megatron.models.gpt import PrecisionConfig
-    from emapg_megatron.training.model_and_optimizer import OptimConfig, build_model_and_optimizer, unwrap
+    from emapg_megatron.models.config import PrecisionConfig
+    from emapg_megatron.models.gpt import unwrap
+    from emapg_megatron.training.config import OptimConfig
+    from emapg_megatron.training.model_and_optimizer import build_model_and_optimizer
 
     cfg, arch = hf_config.model_config_from_hf(hf_config.read_hf_config(hf_dir))
     toks = tokens(batch=2, seq=32)

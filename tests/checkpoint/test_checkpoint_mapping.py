@@ -28,8 +28,8 @@ from emapg_megatron.checkpoint.hf_mapping import (
     dict_reader,
 )
 from emapg_megatron.checkpoint.weights import _Item, plan_buckets
-from emapg_megatron.models.gpt import ModelConfig
-from emapg_megatron.runtime import ConfigError
+from emapg_megatron.errors import ConfigError
+from emapg_megatron.models.config import ModelConfig
 
 REPO = Path(__file__).resolve().parents[2]
 

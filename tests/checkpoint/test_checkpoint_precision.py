@@ -5,15 +5,14 @@ import pytest
 import torch
 
 from emapg_megatron.checkpoint.weights import high_precision
+from emapg_megatron.errors import ConfigError
+from emapg_megatron.models.config import ModelConfig, PrecisionConfig
 from emapg_megatron.models.gpt import (
-    ModelConfig,
-    PrecisionConfig,
     build_gpt_model,
     te_available,
     transformer_config,
     validate_precision,
 )
-from emapg_megatron.runtime import ConfigError
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "hybrid"])

@@ -40,8 +40,9 @@ def _reseed(seed: int) -> None:
 
 
 def _build(dist_opt: bool = False, *, bf16: bool = True, seed: int = 5, lr: float = 1e-3, **overrides):
-    from emapg_megatron.models.gpt import ModelConfig, PrecisionConfig
-    from emapg_megatron.training.model_and_optimizer import OptimConfig, build_model_and_optimizer
+    from emapg_megatron.models.config import ModelConfig, PrecisionConfig
+    from emapg_megatron.training.config import OptimConfig
+    from emapg_megatron.training.model_and_optimizer import build_model_and_optimizer
 
     _reseed(seed)
     cfg = ModelConfig(**{**TINY, **overrides})
@@ -52,7 +53,7 @@ def _build(dist_opt: bool = False, *, bf16: bool = True, seed: int = 5, lr: floa
 
 
 def _weights(chunks) -> dict[str, torch.Tensor]:
-    from emapg_megatron.training.model_and_optimizer import global_param_name, unwrap
+    from emapg_megatron.models.gpt import global_param_name, unwrap
 
     gpt = unwrap(chunks[0])
     return {global_param_name(gpt, n): p.detach().float().cpu().clone() for n, p in gpt.named_parameters()}
@@ -90,7 +91,7 @@ def optimizer_check(dist_opt: bool, steps: int = 6) -> dict:
     """Build model + Megatron optimizer (bf16, fp32 main params) under nccl, then train a fixed batch."""
     import torch.distributed as dist
 
-    from emapg_megatron.training.model_and_optimizer import unwrap
+    from emapg_megatron.models.gpt import unwrap
 
     cfg, chunks, opt = _build(dist_opt)
     gpt = unwrap(chunks[0])
@@ -121,8 +122,8 @@ def optimizer_check(dist_opt: bool, steps: int = 6) -> dict:
 # --- the built-in sampler on the GPU ------------------------------------------------------------
 def sampler_check() -> dict:
     from emapg_megatron.checkpoint.verify import megatron_logits
+    from emapg_megatron.models.gpt import unwrap
     from emapg_megatron.rollout.megatron_sampler import MegatronSampler
-    from emapg_megatron.training.model_and_optimizer import unwrap
 
     cfg, chunks, _ = _build(False, seed=11)
     seq, new = 48, 16
@@ -233,7 +234,10 @@ def topk_kl_check(dtype_name: str, tokens: int = 1024) -> dict:
     Cases vary the direction, the chunking (one chunk or many), the entropy and the in-place
     (save-probabilities) backward. Returned: max abs errors and the scales they are judged by.
     """
-    from emapg_megatron.parallel import kl_from_policy_terms, vocab_parallel_policy_terms
+    from emapg_megatron.parallel import (
+        kl_from_policy_terms,
+        vocab_parallel_policy_terms,
+    )
 
     dtype = getattr(torch, dtype_name)
     dev = _device()
@@ -299,14 +303,14 @@ def build_trainer(argv: list):
     from emapg_megatron import build
 
     inputs = build.prepare(list(argv))
-    _reseed(inputs.args.seed)  # the RNG state runtime.initialize left: every build in a process starts alike
+    _reseed(inputs.config.loop.seed)  # the RNG state runtime.initialize left: every build in a process starts alike
     return build.build_trainer(inputs)
 
 
 def trainer_job(argv: list, steps: int = 2) -> dict:
     """Build the run exactly as ``emapg_megatron.train`` does from ``argv``; record the EMA anchor,
     the weights and the metrics around each of ``steps`` trainer steps."""
-    from emapg_megatron.training.model_and_optimizer import unwrap
+    from emapg_megatron.models.gpt import unwrap
 
     trainer = build_trainer(argv)
     anchor = trainer.anchor
@@ -370,8 +374,10 @@ def te_spec_job(hf_dir: str, tokens: torch.Tensor) -> dict:
     Transformer Engine; fp32 and bf16): logits, one training step (fwd + bwd + optimizer) on each."""
     from emapg_megatron.checkpoint import hf_config, weights
     from emapg_megatron.checkpoint.verify import megatron_logits
-    from emapg_megatron.models.gpt import PrecisionConfig
-    from emapg_megatron.training.model_and_optimizer import OptimConfig, build_model_and_optimizer, unwrap
+    from emapg_megatron.models.config import PrecisionConfig
+    from emapg_megatron.models.gpt import unwrap
+    from emapg_megatron.training.config import OptimConfig
+    from emapg_megatron.training.model_and_optimizer import build_model_and_optimizer
 
     cfg, _ = hf_config.model_config_from_hf(hf_config.read_hf_config(hf_dir))
     out = {}

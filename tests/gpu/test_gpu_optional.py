@@ -3,10 +3,20 @@ engine. Each skips, saying why, when its package is missing or does not import."
 
 import pytest
 import torch
+from gpu_helpers import (
+    FP8_HYBRID,
+    TRAINER_BASE,
+    check_common_metrics,
+    compute_capability,
+    output_tail,
+    read_metrics,
+    require_te,
+    require_vllm,
+    torchrun_train,
+    vllm_flags,
+)
 
 from emapg_megatron.multiprocess import run_distributed
-from gpu_helpers import (FP8_HYBRID, TRAINER_BASE, check_common_metrics, compute_capability, output_tail,
-                         read_metrics, require_te, require_vllm, torchrun_train, vllm_flags)
 
 pytestmark = pytest.mark.gpu
 
@@ -85,7 +95,9 @@ def test_fp8_hybrid_trainer_steps(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_hf(tmp_path_factory):
-    from tiny_hf import build_tiny_hf  # tests/tiny_hf.py: byte-level BPE + random Qwen2, no downloads
+    from tiny_hf import (
+        build_tiny_hf,  # tests/tiny_hf.py: byte-level BPE + random Qwen2, no downloads
+    )
 
     return build_tiny_hf(str(tmp_path_factory.mktemp("tiny_hf")))
 

@@ -3,10 +3,17 @@ spec), and two steps in process for each EMA anchor mode, checked against the EM
 
 import pytest
 import torch
+from gpu_helpers import (
+    EMA_MODES,
+    LOCAL_SPEC,
+    TRAINER_BASE,
+    check_common_metrics,
+    output_tail,
+    read_metrics,
+    torchrun_train,
+)
 
 from emapg_megatron.multiprocess import run_distributed
-from gpu_helpers import (EMA_MODES, LOCAL_SPEC, TRAINER_BASE, check_common_metrics, output_tail,
-                         read_metrics, torchrun_train)
 
 pytestmark = pytest.mark.gpu
 

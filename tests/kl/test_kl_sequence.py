@@ -5,7 +5,11 @@ import math
 
 import torch
 
-from emapg_megatron.kl import sequence_kl, sequence_kl_loss, sequence_kl_penalized_reward
+from emapg_megatron.kl import (
+    sequence_kl,
+    sequence_kl_loss,
+    sequence_kl_penalized_reward,
+)
 
 V, L = 3, 3
 

@@ -5,7 +5,13 @@ import math
 import pytest
 import torch
 
-from emapg_megatron.kl import TOPK_TAILS, exact_kl, sampled_kl, topk_kl, topk_kl_from_gathered
+from emapg_megatron.kl import (
+    TOPK_TAILS,
+    exact_kl,
+    sampled_kl,
+    topk_kl,
+    topk_kl_from_gathered,
+)
 from emapg_megatron.kl.enumeration import enumerate_expectation
 
 V = 24

@@ -202,11 +202,11 @@ def gpt_compare(tied: bool, bf16: bool, sequence_parallel: bool = False) -> dict
     finalize_model_grads: DP, the tied-embedding sum over stages, TP sums under SP)."""
     from megatron_workers import grads_by_global_name, tiny_config
 
-    from emapg_megatron.models.gpt import PrecisionConfig
+    from emapg_megatron.models.config import PrecisionConfig
+    from emapg_megatron.models.gpt import unwrap
+    from emapg_megatron.training.config import OptimConfig
     from emapg_megatron.training.model_and_optimizer import (
-        OptimConfig,
         build_model_and_optimizer,
-        unwrap,
         zero_grads,
     )
     from emapg_megatron.training.schedule import forward_backward, forward_only

@@ -149,7 +149,11 @@ def vocab_parallel_checks(group_spec: str = "tp") -> dict:
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
     from emapg_megatron.parallel import (
-        CollectiveCounter, vocab_parallel_logprobs_at, vocab_parallel_logsumexp, vocab_parallel_topk)
+        CollectiveCounter,
+        vocab_parallel_logprobs_at,
+        vocab_parallel_logsumexp,
+        vocab_parallel_topk,
+    )
 
     group = _group(group_spec)
     tp, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -252,7 +256,10 @@ def _policy_loss(logits, mb):
     """A policy loss of one micro-batch from the vocab-sharded logits ``[b, s, V/TP]``."""
     from megatron.core import parallel_state as ps
 
-    from emapg_megatron.parallel import kl_from_policy_terms, vocab_parallel_policy_terms
+    from emapg_megatron.parallel import (
+        kl_from_policy_terms,
+        vocab_parallel_policy_terms,
+    )
 
     labels, q, mask = mb["labels"], mb["q"], mb["mask"]
     terms = vocab_parallel_policy_terms(
@@ -293,11 +300,15 @@ def gpt_microbatches(n: int = 2, b: int = 2, seq: int = 16, k: int = 4):
 def gpt_policy_run(ckpt_dir: str, save: bool) -> dict:
     """Parameter gradients of a tiny GPTModel under the fused policy loss, from fixed weights,
     through the trainer's pipeline pass (``training.schedule.forward_backward``)."""
-    from emapg_megatron.training.model_and_optimizer import (
-        OptimConfig, build_model_and_optimizer, global_param_name, unwrap, zero_grads)
-    from emapg_megatron.training.schedule import forward_backward
-
     from megatron_workers import grads_by_global_name, save_or_load, tiny_config
+
+    from emapg_megatron.models.gpt import global_param_name, unwrap
+    from emapg_megatron.training.config import OptimConfig
+    from emapg_megatron.training.model_and_optimizer import (
+        build_model_and_optimizer,
+        zero_grads,
+    )
+    from emapg_megatron.training.schedule import forward_backward
 
     chunks, opt = build_model_and_optimizer(tiny_config(), OptimConfig(lr=1e-2))
     gpt = unwrap(chunks[0])
@@ -349,7 +360,10 @@ def precision_checks(group_spec=None) -> dict:
     import torch.distributed as dist
 
     from emapg_megatron.parallel import (
-        vocab_parallel_logprobs_at, vocab_parallel_policy_terms, vocab_parallel_topk)
+        vocab_parallel_logprobs_at,
+        vocab_parallel_policy_terms,
+        vocab_parallel_topk,
+    )
 
     group = None if group_spec is None else _group(group_spec)
     tp, rank = (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))

@@ -15,9 +15,9 @@ than the unfused one is.
 
 import pytest
 import torch
+from lmhead_workers import DTYPES, op_inputs, op_run, pp_job, saved_bytes, tp_job
 
 from emapg_megatron.multiprocess import run_distributed
-from lmhead_workers import DTYPES, op_inputs, op_run, pp_job, saved_bytes, tp_job
 
 REL = {"fp64": 1e-12, "fp32": 1e-6, "bf16": 2.0 ** -8}
 KEYS = ("logprob", "logprob_topk", "entropy", "grad_hidden", "grad_weight")

@@ -5,8 +5,12 @@ import pytest
 import torch
 
 from emapg_megatron.parallel import (
-    SavedTensorBytes, kl_from_policy_terms, vocab_parallel_logprobs_at, vocab_parallel_policy_terms,
-    vocab_parallel_topk)
+    SavedTensorBytes,
+    kl_from_policy_terms,
+    vocab_parallel_logprobs_at,
+    vocab_parallel_policy_terms,
+    vocab_parallel_topk,
+)
 
 T, VS, V, K = 64, 512, 500, 8  # shard width 512, 12 padding columns
 

@@ -7,10 +7,16 @@ so its rounded logits are not those of offset 0: each offset has its own referen
 
 import pytest
 import torch
+from parallel_workers import (
+    PREC_DTYPES,
+    PREC_PADDED,
+    PREC_SMALL_V,
+    PREC_V,
+    precision_checks,
+    precision_inputs,
+)
 
 from emapg_megatron.multiprocess import run_distributed
-from parallel_workers import (
-    PREC_DTYPES, PREC_PADDED, PREC_SMALL_V, PREC_V, precision_checks, precision_inputs)
 
 OUTPUTS = ("topk", "at_q", "at_token") + tuple(
     f"terms{i}/{key}" for i in (0, 1) for key in ("logprob", "logprob_topk", "entropy", "grad"))

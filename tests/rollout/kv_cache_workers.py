@@ -8,8 +8,7 @@ holds the same model.
 
 import os
 
-
-from emapg_megatron.models.gpt import ModelConfig
+from emapg_megatron.models.config import ModelConfig
 from emapg_megatron.tasks.base import Segment
 
 TINY = dict(vocab_size=40, make_vocab_size_divisible_by=8, hidden_size=64, ffn_hidden_size=128,
@@ -175,8 +174,8 @@ def _waves(model, prompts, seq_index):
     the model-parallel group must agree on the smallest)."""
     import torch.distributed as dist
 
+    from emapg_megatron.errors import ConfigError
     from emapg_megatron.rollout import kv_cache_decoding as kv
-    from emapg_megatron.runtime import ConfigError
 
     contexts = []
 

@@ -11,10 +11,10 @@ import torch
 from kv_cache_workers import (
     EOS,
     MAX_NEW,
-    N,
     PROMPTS,
     SPLIT,
     WAVE,
+    N,
     sample_both_paths,
     sample_both_paths_te_like,
 )

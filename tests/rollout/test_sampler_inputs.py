@@ -3,10 +3,10 @@ empty prompts, an empty prompt list, sampling settings outside their range."""
 
 import pytest
 
+from emapg_megatron.errors import ConfigError
 from emapg_megatron.rollout.episodes import start_episodes
 from emapg_megatron.rollout.megatron_backend import MegatronGenerationBackend
 from emapg_megatron.rollout.megatron_sampler import MegatronSampler
-from emapg_megatron.runtime import ConfigError
 
 
 class _Tokenizer:

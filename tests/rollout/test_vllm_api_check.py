@@ -48,7 +48,7 @@ def write_tree(root, drop=lambda req, name: False):
 
 
 def test_requirements_follow_the_engine_code():
-    from emapg_megatron.rollout.vllm_engine import VLLMConfig
+    from emapg_megatron.rollout.config import VLLMConfig
 
     by_cls = {r.cls: r for r in api.requirements() if r.kind == "fields"}
     assert set(by_cls["EngineArgs"].names) == set(VLLMConfig(hf_dir="-").llm_kwargs_for(8))

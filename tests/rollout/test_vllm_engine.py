@@ -9,13 +9,18 @@ import sys
 import pytest
 import torch
 
-from emapg_megatron.models.gpt import ModelConfig
+from emapg_megatron.errors import ConfigError
+from emapg_megatron.models.config import ModelConfig
+from emapg_megatron.rollout.config import VLLMConfig
 from emapg_megatron.rollout.engine import logprob_mismatch
 from emapg_megatron.rollout.episodes import Episode, Turn, pack_episodes
-from emapg_megatron.rollout.vllm_engine import (INSTALL_HINT, VLLMConfig, VLLMEngine,
-                                                load_generation_backend, request_seed)
+from emapg_megatron.rollout.vllm_engine import (
+    INSTALL_HINT,
+    VLLMEngine,
+    load_generation_backend,
+    request_seed,
+)
 from emapg_megatron.rollout.weight_sync import rebucket
-from emapg_megatron.runtime import ConfigError
 
 
 # --- import guard ----------------------------------------------------------------------
@@ -109,9 +114,10 @@ def test_rebucket_greedy_in_order():
 
 @pytest.mark.slow
 def test_weight_sync_buckets_mismatch_reduce_and_batch_broadcast():
+    from vllm_engine_workers import TINY, _mismatch_inputs, sync_mismatch_and_broadcast
+
     from emapg_megatron.checkpoint.hf_mapping import HFMapping
     from emapg_megatron.multiprocess import run_distributed
-    from vllm_engine_workers import TINY, _mismatch_inputs, sync_mismatch_and_broadcast
 
     bound = 20_000  # the fp32 embedding (100 x 64 x 4 = 25.6 kB) must travel alone
     results = run_distributed(sync_mismatch_and_broadcast, world_size=2, tp=2, args=(bound,))
@@ -214,8 +220,9 @@ def test_episode_re_encoded_turn_is_not_trained_and_length_is_capped(retriever):
 @pytest.mark.slow
 def test_vllm_round_trip_on_gpu(tmp_path):
     pytest.importorskip("vllm")
-    from emapg_megatron.multiprocess import run_distributed
     from vllm_engine_workers import vllm_round_trip, write_tiny_hf_dir
+
+    from emapg_megatron.multiprocess import run_distributed
 
     hf = write_tiny_hf_dir(tmp_path)
     res = run_distributed(vllm_round_trip, world_size=1, device="cuda", args=(hf,), timeout=900)[0]
@@ -256,5 +263,5 @@ def test_trainer_builds_the_vllm_engine_with_its_layout(monkeypatch, tmp_path):
     assert engine.kwargs["model_chunks"] is chunks
     assert engine.kwargs["trainer_tp"] == 4 and engine.kwargs["pipeline_parallel"] == 2
     assert engine.cfg.tensor_parallel_size == 2 and engine.cfg.bucket_bytes == 64 << 20
-    assert engine.cfg.hf_dir == str(tmp_path) and engine.cfg.seed == args.seed
+    assert engine.cfg.hf_dir == str(tmp_path) and engine.cfg.seed == args.loop.seed
 

@@ -40,11 +40,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from emapg_megatron.errors import ConfigError
 from emapg_megatron.rollout import weight_sync
-from emapg_megatron.rollout.vllm_engine import (VLLMConfig, VLLMEngine, VLLMGenerationBackend,
-                                                load_generation_backend, request_seed)
+from emapg_megatron.rollout.config import VLLMConfig
+from emapg_megatron.rollout.vllm_engine import (
+    VLLMEngine,
+    VLLMGenerationBackend,
+    load_generation_backend,
+    request_seed,
+)
 from emapg_megatron.rollout.weight_sync import SyncStats
-from emapg_megatron.runtime import ConfigError
 
 # A call that vLLM would ignore (sleep while partly asleep: the memory would stay allocated) fails.
 pytestmark = pytest.mark.filterwarnings("error:fake vLLM")
@@ -352,7 +357,7 @@ def hf_dir(tmp_path) -> str:
 
 def make_engine(tmp_path, *, sleep_level=1, seq_length=64, chunks="default", **cfg_kw):
     cfg = VLLMConfig(hf_dir=hf_dir(tmp_path), sleep_level=sleep_level, seed=cfg_kw.pop("seed", 77),
-                     bucket_bytes=cfg_kw.pop("bucket_bytes", 4096), **cfg_kw)
+                     weight_sync_bucket_mb=4096 / 2**20, **cfg_kw)
     return VLLMEngine(cfg, MODEL_CFG, seq_length=seq_length, pad_id=PAD, trainer_tp=1,
                       model_chunks=fake_chunks(1.0) if chunks == "default" else chunks)
 
@@ -745,13 +750,15 @@ def _megatron_engine_worker(hf: str, tp: int, pp: int) -> dict:
     from vllm_engine_workers import TINY
 
     from emapg_megatron.checkpoint.weights import export_hf_weights
-    from emapg_megatron.models.gpt import ModelConfig, build_for_this_rank
+    from emapg_megatron.models.config import ModelConfig
+    from emapg_megatron.models.gpt import build_for_this_rank
 
     rank = dist.get_rank()
     cfg = ModelConfig(**TINY)
     model = build_for_this_rank(cfg)
-    engine = VLLMEngine(VLLMConfig(hf, sleep_level=2, bucket_bytes=20_000), cfg, seq_length=32,
-                        pad_id=0, model_chunks=[model], trainer_tp=tp, pipeline_parallel=pp)
+    vllm_cfg = VLLMConfig(hf, sleep_level=2, weight_sync_bucket_mb=20_000 / 2**20, tensor_parallel_size=1)
+    engine = VLLMEngine(vllm_cfg, cfg, seq_length=32, pad_id=0, model_chunks=[model], trainer_tp=tp,
+                        pipeline_parallel=pp)
     # Each rank's vLLM samples its own prompts; only the broadcast makes the group agree.
     batch = engine.generate([[1 + rank, 2, 3]], 2, 1.0, 1.0, 6)
     llm = engine.llm
@@ -809,7 +816,8 @@ def _episodes_worker(hf: str, vllm_tp: int = 1) -> dict:
     sys.modules["vllm"] = make_fake_vllm()
     from vllm_engine_workers import TINY
 
-    from emapg_megatron.models.gpt import ModelConfig, build_for_this_rank
+    from emapg_megatron.models.config import ModelConfig
+    from emapg_megatron.models.gpt import build_for_this_rank
     from emapg_megatron.tasks.retriever import BM25Retriever
     from emapg_megatron.tasks.search import SearchConfig, SearchEnv
 

@@ -3,7 +3,7 @@
 import torch
 import torch.distributed as dist
 
-from emapg_megatron.models.gpt import ModelConfig
+from emapg_megatron.models.config import ModelConfig
 
 TINY = dict(vocab_size=100, make_vocab_size_divisible_by=64, hidden_size=64, ffn_hidden_size=128,
             num_layers=2, num_attention_heads=4, num_query_groups=2, max_position_embeddings=64,
@@ -107,9 +107,11 @@ def vllm_round_trip(hf_dir: str) -> dict:
     """Megatron model (BF16) -> weight sync -> vLLM sampling with processed log-probs, compared
     with the Megatron model's own log-probs of the sampled tokens; sleep frees memory."""
     from emapg_megatron.checkpoint.hf_config import model_config_from_hf, read_hf_config
-    from emapg_megatron.models.gpt import PrecisionConfig, build_for_this_rank
+    from emapg_megatron.models.config import PrecisionConfig
+    from emapg_megatron.models.gpt import build_for_this_rank
+    from emapg_megatron.rollout.config import VLLMConfig
     from emapg_megatron.rollout.engine import logprob_mismatch
-    from emapg_megatron.rollout.vllm_engine import VLLMConfig, VLLMEngine
+    from emapg_megatron.rollout.vllm_engine import VLLMEngine
     from emapg_megatron.trainer import shifted
     from emapg_megatron.training.schedule import positions_for
 

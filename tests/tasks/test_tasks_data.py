@@ -6,7 +6,12 @@ import os
 import pytest
 
 from emapg_megatron.tasks import Task, get_task, render_prompt
-from emapg_megatron.tasks.data import BadRowError, DataFileError, MissingColumnError, load_rows
+from emapg_megatron.tasks.data import (
+    BadRowError,
+    DataFileError,
+    MissingColumnError,
+    load_rows,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SAMPLES = os.path.join(ROOT, "data", "samples")

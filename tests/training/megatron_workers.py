@@ -2,7 +2,7 @@
 
 import torch
 
-from emapg_megatron.models.gpt import ModelConfig
+from emapg_megatron.models.config import ModelConfig
 from emapg_megatron.training.schedule import positions_for
 
 TINY = dict(vocab_size=100, make_vocab_size_divisible_by=64, hidden_size=64, ffn_hidden_size=128,
@@ -25,7 +25,7 @@ def save_or_load(chunks, optimizer, ckpt_dir: str, save: bool) -> None:
     from megatron.core import dist_checkpointing
 
     from emapg_megatron.build import load_pretrained
-    from emapg_megatron.training.model_and_optimizer import unwrap
+    from emapg_megatron.models.gpt import unwrap
 
     if save:
         dist_checkpointing.save(unwrap(chunks[0]).sharded_state_dict(), ckpt_dir)
@@ -74,12 +74,11 @@ def checkpoint_trainer(model_chunks, optimizer, anchor):
         lr_decay_style="constant", start_wd=cfg.weight_decay, end_wd=cfg.weight_decay,
         wd_incr_steps=1, wd_incr_style="constant")
     return Trainer(model_chunks=model_chunks, optimizer=optimizer, scheduler=scheduler, anchor=anchor,
-                   sampler=None, task=None, tokenizer=None, passes=None, step_cfg=None, data=None,
-                   rollout_batch_size=0)
+                   sampler=None, task=None, tokenizer=None, passes=None, step_cfg=None, data=None)
 
 
 def grads_by_global_name(ddp_model):
-    from emapg_megatron.training.model_and_optimizer import global_param_name, unwrap
+    from emapg_megatron.models.gpt import global_param_name, unwrap
 
     gpt = unwrap(ddp_model)
     return {global_param_name(gpt, n): p.main_grad.detach().clone()
@@ -87,7 +86,7 @@ def grads_by_global_name(ddp_model):
 
 
 def params_by_global_name(ddp_model):
-    from emapg_megatron.training.model_and_optimizer import global_param_name, unwrap
+    from emapg_megatron.models.gpt import global_param_name, unwrap
 
     gpt = unwrap(ddp_model)
     return {global_param_name(gpt, n): p.detach().clone() for n, p in gpt.named_parameters()}
@@ -97,8 +96,12 @@ def foundation_run(ckpt_dir: str, save: bool, dist_opt: bool = False, adam_eps: 
     """Logits, one pipeline fwd/bwd and one optimizer step on fixed data, from fixed weights."""
     from megatron.core import parallel_state as ps
 
+    from emapg_megatron.models.gpt import unwrap
+    from emapg_megatron.training.config import OptimConfig
     from emapg_megatron.training.model_and_optimizer import (
-        OptimConfig, build_model_and_optimizer, unwrap, zero_grads)
+        build_model_and_optimizer,
+        zero_grads,
+    )
 
     cfg = tiny_config()
     chunks, opt = build_model_and_optimizer(

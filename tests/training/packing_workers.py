@@ -8,8 +8,10 @@ One process runs the same batch both ways, padded (``split_microbatches``) and p
 import torch
 from megatron_workers import tiny_config
 
-from emapg_megatron.algo.policy_loss import LossConfig, normaliser
-from emapg_megatron.trainer import KLConfig, PolicyPasses
+from emapg_megatron.algo.config import LossConfig
+from emapg_megatron.algo.policy_loss import normaliser
+from emapg_megatron.kl.config import KLConfig
+from emapg_megatron.trainer import PolicyPasses
 from emapg_megatron.training import packing
 
 VOCAB = 100
@@ -85,16 +87,22 @@ def update(chunks, opt, passes, batch, microbatches_of) -> tuple[dict, dict]:
 
 
 def padded_microbatches(micro_batch_size: int):
-    from emapg_megatron.training.schedule import concat_outputs, split_microbatches
+    """The trainer's padded strategy: ``batch -> (micro-batches, merge)``."""
+    from emapg_megatron.training.microbatches import PaddedBatches
 
-    return lambda batch: (split_microbatches(batch, micro_batch_size), lambda outs, mbs: concat_outputs(outs))
+    return _split_and_merge(PaddedBatches(micro_batch_size), [])
 
 
 def packed_microbatches(max_tokens: int, plans: list):
+    """The trainer's packed strategy (its plans appended to ``plans``)."""
+    return _split_and_merge(packing.PackedBatches(max_tokens), plans)
+
+
+def _split_and_merge(strategy, plans: list):
     def of(batch):
-        p = packing.plan(batch, max_tokens)
-        plans.append(p)
-        return packing.pack(batch, p), lambda outs, mbs: packing.unpack(outs, mbs, p.shape)
+        plan = strategy.plan(batch)
+        plans.append(plan)
+        return plan.split(batch), plan.merge
 
     return of
 
@@ -106,11 +114,9 @@ def packed_vs_padded(lengths: list[int], L: int, max_tokens: int, kl_type: str =
     model config overrides (tied embeddings, qk-layernorm, qkv bias, ...)."""
     from megatron.core import parallel_state as ps
 
-    from emapg_megatron.models.gpt import PrecisionConfig
-    from emapg_megatron.training.model_and_optimizer import (
-        OptimConfig,
-        build_model_and_optimizer,
-    )
+    from emapg_megatron.models.config import PrecisionConfig
+    from emapg_megatron.training.config import OptimConfig
+    from emapg_megatron.training.model_and_optimizer import build_model_and_optimizer
 
     cfg = tiny_config(max_position_embeddings=256, **(shape or {}))
     chunks, opt = build_model_and_optimizer(cfg, OptimConfig(lr=1e-3), PrecisionConfig(bf16=bf16),
@@ -127,7 +133,7 @@ def packed_vs_padded(lengths: list[int], L: int, max_tokens: int, kl_type: str =
         passes.loss.agg_mode = agg
         out[agg] = {"padded": update(chunks, opt, passes, full, padded),
                     "packed": update(chunks, opt, passes, full, packed)}
-    out["plans"] = [{"groups": p.groups, "rows": p.row_tokens, "padding": p.padding_fraction()}
+    out["plans"] = [{"groups": p.groups, "rows": p.row_tokens, "padding": p.padding_fraction}
                     for p in plans]
     out["last_stage"] = ps.is_pipeline_last_stage()
     return out

@@ -3,12 +3,16 @@ import json
 
 import pytest
 
-from emapg_megatron.runtime import ConfigError
+from emapg_megatron.errors import ConfigError
 from emapg_megatron.tasks import Task, encode_text, get_task
 from emapg_megatron.tasks.base import encode_many
 from emapg_megatron.tasks.synthetic import CharTokenizer, CopyTask
-from emapg_megatron.training.prompt_data import (LONG_PROMPT_MODES, PromptSchedule,
-                                                 load_training_prompts, response_budget)
+from emapg_megatron.training.prompt_data import (
+    LONG_PROMPT_MODES,
+    PromptSchedule,
+    load_training_prompts,
+    response_budget,
+)
 
 
 class OrdTokenizer:

@@ -17,8 +17,8 @@ CASES = {"qwen3-tied-qknorm": "tp2-sp", "llama3-untied-ropescaling": "pp2"}
 
 
 def test_fused_lm_head_is_the_default_and_has_an_off_switch():
-    assert parse_args(BASE).fused_lm_head is True
-    assert parse_args([*BASE, "--no-fused-lm-head"]).fused_lm_head is False
+    assert parse_args(BASE).step.fused_lm_head is True
+    assert parse_args([*BASE, "--no-fused-lm-head"]).step.fused_lm_head is False
 
 
 @pytest.mark.parametrize("arch", list(CASES))

@@ -3,11 +3,12 @@
 stop requests by signal."""
 
 import os
-from types import SimpleNamespace
 
 import pytest
 
-from emapg_megatron.training import checkpointing, loop
+from emapg_megatron.checkpoint import training as checkpointing
+from emapg_megatron.training import loop
+from emapg_megatron.training.config import CheckpointConfig, LoopConfig
 
 
 def _written(path, text: str) -> str:
@@ -41,9 +42,9 @@ def test_a_resume_at_the_last_step_saves_nothing(monkeypatch):
     """--load X --save X at --train-iters: no step runs, and the final save must not rewrite
     (first deleting) the checkpoint it resumed from."""
     saved = []
-    monkeypatch.setattr(loop, "save", lambda args, trainer, it: saved.append(it))
-    args = SimpleNamespace(train_iters=3, save="ckpt", save_interval=0, max_skipped_steps=0)
-    assert loop.run_steps(args, trainer=None, logger=None, start=3) == 3
+    monkeypatch.setattr(loop, "save", lambda trainer, root, it, flags=None: saved.append(it))
+    assert loop.run_steps(LoopConfig(train_iters=3, max_skipped_steps=0), CheckpointConfig(save="ckpt"),
+                          trainer=None, logger=None, start=3) == 3
     assert saved == []
 
 
@@ -75,7 +76,7 @@ def _tracker_as_each_rank_reads_it(root: str):
     0's; a corrupt tracker (an empty ``root``) must raise on every rank."""
     import torch.distributed as dist
 
-    from emapg_megatron.runtime import ConfigError
+    from emapg_megatron.errors import ConfigError
 
     real = checkpointing.latest_iteration
     checkpointing.latest_iteration = lambda r: 5 + dist.get_rank()
@@ -104,10 +105,10 @@ def test_a_resume_names_the_flags_that_change_its_trajectory():
 
     from emapg_megatron.arguments import parse_args
 
-    saved = json.loads(json.dumps(vars(parse_args(["--preset", "tiny-cpu"])), default=str))
-    same = parse_args(["--preset", "tiny-cpu", "--train-iters", "300", "--lr", "0.01"])  # free to change
+    saved = json.loads(json.dumps(parse_args(["--preset", "tiny-cpu"]).flags(), default=str))
+    same = parse_args(["--preset", "tiny-cpu", "--train-iters", "300", "--lr", "0.01"]).flags()  # free to change
     assert loop.changed_trajectory_flags(saved, same) == []
-    other = parse_args(["--preset", "tiny-cpu", "--seed", "7", "--top-p", "0.9"])
+    other = parse_args(["--preset", "tiny-cpu", "--seed", "7", "--top-p", "0.9"]).flags()
     assert loop.changed_trajectory_flags(saved, other) == ["--seed 1234 -> 7", "--top-p 1.0 -> 0.9"]
 
 
@@ -118,7 +119,7 @@ class _WriteFailed(BaseException):  # as torch's CheckpointException: not an Exc
 def _save_that_fails(root: str):
     from megatron.core import dist_checkpointing
 
-    from emapg_megatron.runtime import ConfigError
+    from emapg_megatron.errors import CheckpointWriteError
 
     def refuse(state, path):
         raise _WriteFailed("disk full\nsecond line of a long report")
@@ -126,7 +127,7 @@ def _save_that_fails(root: str):
     real, dist_checkpointing.save = dist_checkpointing.save, refuse
     try:
         checkpointing.save(root, 1, {}, {})
-    except ConfigError as e:
+    except CheckpointWriteError as e:
         return str(e)
     finally:
         dist_checkpointing.save = real

@@ -12,11 +12,15 @@ FLAGS = ["--lr", "1.0", "--min-lr", "0.0", "--lr-decay-style", "linear", "--lr-w
          "--weight-decay", "0"]
 
 
-def _run(args, updates: int, steps: int, sched=None, opt=None):
+def _schedule(opt, cfg, updates: int):
+    return lr_scheduler(opt, cfg.optim, cfg.loop.train_iters, updates)
+
+
+def _run(cfg, updates: int, steps: int, sched=None, opt=None):
     """LR at the end of each trainer step of ``updates`` optimizer updates."""
     if sched is None:
         opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
-        sched = lr_scheduler(opt, args, updates)
+        sched = _schedule(opt, cfg, updates)
     lrs = []
     for _ in range(steps):
         for _ in range(updates):
@@ -35,7 +39,7 @@ def test_a_resumed_run_takes_the_flags_schedule_at_the_checkpoints_position():
     _, sched, _ = _run(parse_args(FLAGS + ["--train-iters", "4"]), 4, 2)
     state = sched.state_dict()
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
-    longer = lr_scheduler(opt, parse_args(FLAGS + ["--train-iters", "8"]), 4)  # extended to 8 steps
+    longer = _schedule(opt, parse_args(FLAGS + ["--train-iters", "8"]), 4)  # extended to 8 steps
     longer.load_state_dict(state)
     lrs, _, _ = _run(None, 4, 1, longer, opt)
     assert longer.num_steps == 12 and lrs == pytest.approx([5 / 7])  # (3 - 1) of 7 decay steps done

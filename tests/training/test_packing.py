@@ -4,11 +4,12 @@ import random
 
 import pytest
 import torch
+from packing_workers import AGG_MODES, packed_vs_padded, rollout_like
 
-from emapg_megatron.algo.policy_loss import LossConfig, normaliser, policy_loss_terms
+from emapg_megatron.algo.config import LossConfig
+from emapg_megatron.algo.policy_loss import normaliser, policy_loss_terms
 from emapg_megatron.multiprocess import run_distributed
 from emapg_megatron.training import packing
-from packing_workers import AGG_MODES, packed_vs_padded, rollout_like
 
 RTOL = 1e-5
 
@@ -82,7 +83,7 @@ def test_pack_unpack_round_trip_and_layout():
     for mb in mbs:
         starts = mb["cu_seqlens"][:-1].long()
         assert (mb["position_ids"][0, starts] == 0).all()  # positions restart per sequence
-        assert torch.equal(mb["advantages"], batch["advantages"][mb["packing"].rows])
+        assert torch.equal(mb["advantages"], batch["advantages"][mb["layout"].rows])
 
 
 def test_block_causal_mask():
@@ -109,7 +110,12 @@ def test_loss_aggregation_over_packed_micro_batches_is_the_padded_one(agg):
 
     ref, ref_m = policy_loss_terms(*args(batch))
     mbs = packing.pack(batch, local_plan(batch, 40))
-    outs = [packing.policy_loss_terms(mb, *args(mb)) for mb in mbs]
+    def packed_loss(mb):  # the trainer's: per-token values laid out per sequence first
+        logprob, old, adv, kl, entropy, mask, cfg = args(mb)
+        return policy_loss_terms(*mb["layout"].per_sequence(logprob, old), adv,
+                                 *mb["layout"].per_sequence(kl, entropy, mask), cfg)
+
+    outs = [packed_loss(mb) for mb in mbs]
     norm = normaliser(batch["mask"], agg)
     assert abs(sum(o[0] for o in outs) / norm - ref / norm) <= 1e-6 * abs(ref / norm)
     for k, v in ref_m.items():

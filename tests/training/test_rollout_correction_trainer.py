@@ -3,9 +3,9 @@
 import math
 
 import pytest
+from train_run_workers import train_with_skewed_engine
 
 from emapg_megatron.multiprocess import run_distributed
-from train_run_workers import train_with_skewed_engine
 
 BASE = ["--preset", "tiny-cpu", "--tensor-model-parallel-size", "1", "--rollout-batch-size", "4",
         "--num-samples-per-prompt", "4", "--micro-batch-size", "8", "--global-batch-size", "16",

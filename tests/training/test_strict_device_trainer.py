@@ -10,7 +10,6 @@ uniforms times a device cdf).
 """
 
 import pytest
-
 from trainer_launch import metrics, torchrun
 
 pytestmark = pytest.mark.slow

@@ -3,10 +3,10 @@
 import math
 
 import pytest
+from train_run_workers import train_each_loss_type
 
 from emapg_megatron.arguments import build_parser
 from emapg_megatron.multiprocess import run_distributed
-from train_run_workers import train_each_loss_type
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,7 @@ def train_steps(argv: list, steps: int):
     from megatron.core import parallel_state as ps
 
     from emapg_megatron import build
-    from emapg_megatron.training.model_and_optimizer import global_param_name, unwrap
+    from emapg_megatron.models.gpt import global_param_name, unwrap
 
     inputs = build.prepare(argv)
     model_cfg = inputs.model_cfg
@@ -46,8 +46,9 @@ def refused_update_changes_nothing():
     """A NaN gradient on one rank: the gradient step is refused and no weight or state changes."""
     import math
 
-    from emapg_megatron.models.gpt import ModelConfig
-    from emapg_megatron.training.model_and_optimizer import OptimConfig, build_model_and_optimizer
+    from emapg_megatron.models.config import ModelConfig
+    from emapg_megatron.training.config import OptimConfig
+    from emapg_megatron.training.model_and_optimizer import build_model_and_optimizer
     from emapg_megatron.training.optimizer_step import step_if_finite
 
     chunks, opt = build_model_and_optimizer(

@@ -31,19 +31,16 @@ def training_checkpoint_job(root: str) -> dict:
     """Save a small checkpoint the way the trainer does (``training.loop.save`` of the trainer's
     model, optimizer, EMA, RNG and common state), then report check_finite_before_save on
     poisoned weights and a resume of it with the distributed optimizer (``training.loop.resume``)."""
-    from types import SimpleNamespace
-
     from megatron_workers import checkpoint_trainer
 
     from emapg_megatron.anchor import EmaAnchor, EmaConfig
-    from emapg_megatron.models.gpt import ModelConfig
-    from emapg_megatron.runtime import ConfigError
-    from emapg_megatron.training import checkpointing, loop
-    from emapg_megatron.training.model_and_optimizer import (
-        OptimConfig,
-        build_model_and_optimizer,
-        unwrap,
-    )
+    from emapg_megatron.checkpoint import training as checkpointing
+    from emapg_megatron.errors import ConfigError, WeightsError
+    from emapg_megatron.models.config import ModelConfig
+    from emapg_megatron.models.gpt import unwrap
+    from emapg_megatron.training import loop
+    from emapg_megatron.training.config import OptimConfig
+    from emapg_megatron.training.model_and_optimizer import build_model_and_optimizer
 
     cfg = ModelConfig(vocab_size=64, hidden_size=32, ffn_hidden_size=64, num_layers=2,
                       num_attention_heads=2, max_position_embeddings=16,
@@ -53,8 +50,7 @@ def training_checkpoint_job(root: str) -> dict:
     trainer = checkpoint_trainer(chunks, optimizer, anchor)
     checkpointing.materialize_optimizer_state(chunks, optimizer)  # Adam state, as after a step
     checkpointing.check_finite_before_save(chunks, anchor, 1)  # all finite: no error
-    args = SimpleNamespace(save=root, load=root)
-    loop.save(args, trainer, 1)
+    loop.save(trainer, root, 1)
 
     def refusal(tensor, index, value):
         old = tensor.view(-1)[index].item()
@@ -63,7 +59,7 @@ def training_checkpoint_job(root: str) -> dict:
         try:
             checkpointing.check_finite_before_save(chunks, anchor, 7)
             return None
-        except ConfigError as e:
+        except WeightsError as e:
             return str(e)
         finally:
             with torch.no_grad():
@@ -79,7 +75,7 @@ def training_checkpoint_job(root: str) -> dict:
     dchunks, doptimizer = build_model_and_optimizer(cfg, OptimConfig(use_distributed_optimizer=True))
     dtrainer = checkpoint_trainer(dchunks, doptimizer, EmaAnchor(dchunks, doptimizer, EmaConfig()))
     try:
-        loop.resume(args, dtrainer)
+        loop.resume(root, dtrainer)
     except ConfigError as e:
         out["switch"] = str(e)
     out["distributed"] = checkpointing.current_layout(dtrainer.sharded_state_dict(is_loading=True))

@@ -35,7 +35,7 @@ import torch
 from megatron.core import dist_checkpointing
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
-from emapg_megatron.runtime import ConfigError
+from emapg_megatron.errors import ConfigError
 
 METADATA_JSON = "metadata.json"
 COMMON = "common.pt"

@@ -10,7 +10,7 @@ All ranks write into ``iter_N.tmp``; rank 0 renames it once every rank is done, 
 updates the tracker file. A crash mid-save leaves only a ``.tmp`` directory, never a
 checkpoint that looks complete.
 
-Loading never executes code from the checkpoint (:mod:`.checkpoint_verify` checks every pickle
+Loading never executes code from the checkpoint (:mod:`.safe_load` checks every pickle
 first) and a damaged checkpoint is one ConfigError line. ``common`` records the saving layout
 (world, TP, PP, DP, optimizer format): a resume at another layout reshards the model, optimizer
 and EMA, reseeds the per-rank RNG with a warning, and refuses in one line what megatron cannot
@@ -28,18 +28,15 @@ from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as ps
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-from emapg_megatron.checkpoint.convert import replace_dir
-from emapg_megatron.runtime import ConfigError
-from emapg_megatron.training.collectives import on_rank0
-from emapg_megatron.training.checkpoint_verify import (
+from emapg_megatron.checkpoint.files import atomic_write_text, fsync_dir, replace_dir
+from emapg_megatron.checkpoint.safe_load import (
     verify_checkpoint_metadata,
     verify_loaded_extra_state,
 )
-from emapg_megatron.training.model_and_optimizer import (
-    global_param_name,
-    unwrap,
-    zero_grads,
-)
+from emapg_megatron.errors import CheckpointWriteError, ConfigError, WeightsError
+from emapg_megatron.models.gpt import global_param_name, unwrap
+from emapg_megatron.training.collectives import on_rank0
+from emapg_megatron.training.model_and_optimizer import zero_grads
 
 TRACKER = "latest_checkpointed_iteration.txt"
 LAYOUT_KEY = "checkpoint_layout"  # in ``common``: how the checkpoint was saved
@@ -47,26 +44,6 @@ LAYOUT_KEY = "checkpoint_layout"  # in ``common``: how the checkpoint was saved
 
 def iteration_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
-
-
-def _atomic_write_text(path: str, text: str) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(path) or ".")
-
-
-def _fsync_dir(path: str) -> None:
-    """Make the renames inside directory ``path`` durable (a power loss must not leave the
-    tracker naming a step whose directory rename was lost)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _rng_sharded_object():
@@ -90,26 +67,27 @@ def save(root: str, iteration: int, sharded_state_dict: dict, common: dict) -> s
         dist_checkpointing.save(state, tmp)
     except BaseException as e:  # noqa: BLE001 - CheckpointException derives from BaseException
         _reraise_in_one_line(e, f"--save {root}: could not write step {iteration} (the previous "
-                                "checkpoint is kept)")
+                                "checkpoint is kept)", CheckpointWriteError)
     dist.barrier()
 
     def install():
         try:
             _install(root, tmp, final, iteration)
         except OSError as e:
-            raise ConfigError(f"could not move checkpoint {tmp} into place: {e}") from e
+            raise CheckpointWriteError(f"could not move checkpoint {tmp} into place: {e}") from e
 
     on_rank0(install)  # every rank raises on a failure, none waits at a barrier
     return final
 
 
-def _reraise_in_one_line(e: BaseException, what: str) -> None:
-    """Megatron's and torch's checkpoint errors (a BaseException, many lines) as one ConfigError
-    line; an interrupt or exit passes through."""
+def _reraise_in_one_line(e: BaseException, what: str, kind=ConfigError) -> None:
+    """Megatron's and torch's checkpoint errors (a BaseException, many lines) as one line of
+    ``kind`` (ConfigError: a checkpoint to read; CheckpointWriteError: one being written); an
+    interrupt or exit passes through."""
     if isinstance(e, (KeyboardInterrupt, SystemExit)):
         raise e
     lines = str(e).strip().splitlines() or [type(e).__name__]
-    raise ConfigError(f"{what}: {lines[0]}") from e
+    raise kind(f"{what}: {lines[0]}") from e
 
 
 def _install(root: str, tmp: str, final: str, iteration: int) -> None:
@@ -117,8 +95,8 @@ def _install(root: str, tmp: str, final: str, iteration: int) -> None:
     at ``final`` (the same step saved again) is deleted only once the tracker names the new one
     (:func:`replace_dir`), so the tracker's step stays whole."""
     old = replace_dir(tmp, final)
-    _fsync_dir(root)  # the step's directory is in place before the tracker names it
-    _atomic_write_text(os.path.join(root, TRACKER), str(iteration))
+    fsync_dir(root)  # the step's directory is in place before the tracker names it
+    atomic_write_text(os.path.join(root, TRACKER), str(iteration))
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
@@ -364,5 +342,5 @@ def check_finite_before_save(model_chunks, anchor=None, iteration: int | None = 
         if name is not None:
             at = f" at step {iteration}" if iteration is not None else ""
             where = f" on rank {rank}" if len(found) > 1 else ""
-            raise ConfigError(f"refusing to save a checkpoint{at}: {name}{where} is not finite "
+            raise WeightsError(f"refusing to save a checkpoint{at}: {name}{where} is not finite "
                               f"(NaN or inf); the last good checkpoint is kept")

@@ -11,18 +11,18 @@ import sys
 
 import pytest
 import torch
+from trainer_workers import training_checkpoint_job
 
 from emapg_megatron.anchor.checkpoint import check_checkpoint
-from emapg_megatron.multiprocess import run_distributed
-from emapg_megatron.runtime import ConfigError
-from emapg_megatron.training import checkpointing
-from emapg_megatron.training.checkpoint_verify import (
+from emapg_megatron.checkpoint import training as checkpointing
+from emapg_megatron.checkpoint.safe_load import (
     read_dcp_metadata,
     verify_checkpoint_metadata,
     verify_loaded_extra_state,
 )
+from emapg_megatron.errors import ConfigError
+from emapg_megatron.multiprocess import run_distributed
 from emapg_megatron.training.run_lock import LOCK_NAME, SaveDirLock, lock_save_dir
-from trainer_workers import training_checkpoint_job
 
 ITER = "iter_0000001"
 

@@ -1,0 +1,69 @@
+"""The token-level KL term's config: which estimator, k, tail, clip (the KL registry decides
+everything else about a loss type)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from emapg_megatron.configurable import ANY_NUMBER, at_least, check_fields, option
+from emapg_megatron.errors import ConfigError
+from emapg_megatron.kl.registry import LOSS_TYPE_NAMES, SAMPLED, loss_type, uses_topk
+from emapg_megatron.kl.topk import TOPK_TAILS
+
+
+@dataclass
+class KLConfig:
+    """The token-level KL estimator against the anchor."""
+
+    loss_type: str = option("topk-reverse", flag="--kl-loss-type", choices=LOSS_TYPE_NAMES)
+    """Token-level KL estimator against the anchor: sampled k1..k5/k3++, Top-k KL, or a Top-k
+    f-divergence."""
+    k: int = option(32, flag="--kl-topk-tokens", range=at_least(0))
+    """k of the Top-k estimators (>= 1 for topk-*)."""
+    alpha: float | None = option(None, flag="--kl-alpha", range=ANY_NUMBER)
+    """alpha of the alpha-divergence (--kl-loss-type topk-alpha only): any finite value but 0 and
+    1, which are the two KL limits."""
+    tail: str = option("unbiased", flag="--kl-tail", choices=TOPK_TAILS)
+    """Top-k tail: unbiased (corrected gradient), paper (Algorithms 1/2 as printed), none."""
+    iw_clip: tuple[float, float] | None = option(None, flag="--kl-iw-clip", metavar=("MIN", "MAX"),
+                                                 range=at_least(0))
+    """Clip the importance weight pi/pi_sampling of the sampled KL terms: the Top-k estimators'
+    tail (no effect with --kl-tail none) and the sampled k1..k5 estimators."""
+
+    def __post_init__(self):
+        if self.iw_clip is not None:
+            self.iw_clip = tuple(self.iw_clip)  # a YAML or argparse list
+
+    def validate(self) -> None:
+        """The flags of the KL term, checked once (raises ConfigError with one line)."""
+        check_fields(self)
+        kind = loss_type(self.loss_type)
+        if kind.family != SAMPLED and self.k < 1:
+            raise ConfigError(f"--kl-loss-type {self.loss_type} needs --kl-topk-tokens >= 1 (got {self.k})")
+        if not kind.needs_alpha and self.alpha is not None:
+            raise ConfigError(f"--kl-alpha is only for --kl-loss-type topk-alpha (got {self.loss_type})")
+        if kind.needs_alpha:
+            if self.alpha is None:
+                raise ConfigError("--kl-loss-type topk-alpha needs --kl-alpha")
+            try:
+                kind.check_alpha(self.alpha)
+            except ValueError as e:
+                raise ConfigError(f"--kl-alpha: {e}") from None
+        if self.iw_clip is not None and not 0 <= self.iw_clip[0] <= self.iw_clip[1]:
+            raise ConfigError(f"--kl-iw-clip needs 0 <= MIN <= MAX (got {self.iw_clip[0]} {self.iw_clip[1]})")
+
+    @property
+    def q_source(self) -> str | None:
+        """Which pass takes the top-k ids: "old" (pi_old), "anchor" (pi_ema), or None."""
+        if not uses_topk(self.loss_type, self.k):
+            return None
+        return loss_type(self.loss_type).q_source(self.alpha)
+
+    @property
+    def uses_topk(self) -> bool:
+        return self.q_source is not None
+
+    @property
+    def topk_tokens(self) -> int:
+        """k actually used: 0 for the sampled estimators (which need no top-k ids)."""
+        return self.k if uses_topk(self.loss_type, self.k) else 0

@@ -1,0 +1,217 @@
+"""The model's configs: the architecture (:class:`ModelConfig`, in Hugging Face terms), how the
+layers compute (:class:`PrecisionConfig`) and the model as the command line describes it
+(:class:`ModelOptions`: a random init of given shapes, or weights from --load-hf /
+--pretrained-checkpoint). No Megatron here: the CLI validates with these before any import of it."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+
+import torch
+
+from emapg_megatron.configurable import (
+    above,
+    at_least,
+    check_fields,
+    option,
+)
+from emapg_megatron.errors import ConfigError
+
+SYNTHETIC_VOCAB = 13
+"""Token ids of the built-in synthetic task's tokenizer (tasks.synthetic.CharTokenizer)."""
+
+
+@dataclass
+class ModelConfig:
+    """The architecture, in Hugging Face terms (maps 1:1 onto a Llama / Qwen2 / Qwen3 config.json)."""
+
+    vocab_size: int = 128
+    """True vocabulary size (Megatron pads it, see :meth:`padded_vocab_size`)."""
+    hidden_size: int = 64
+    """Model width."""
+    ffn_hidden_size: int = 128
+    """SwiGLU intermediate size (HF intermediate_size)."""
+    num_layers: int = 2
+    """Transformer layers (HF num_hidden_layers)."""
+    num_attention_heads: int = 4
+    """Query heads."""
+    num_query_groups: int | None = None
+    """Key/value heads for GQA (HF num_key_value_heads); None: one per query head."""
+    kv_channels: int | None = None
+    """Head dimension (HF head_dim); None: hidden_size / heads."""
+    max_position_embeddings: int = 256
+    """RoPE table length."""
+    rotary_base: float = 10000.0
+    """RoPE theta."""
+    rope_scaling_factor: float | None = None
+    """Llama 3.1-style frequency scaling (HF rope_type "llama3"); None: plain RoPE. Megatron fixes
+    the low/high frequency factors 1/4 and an original context of 8192, as Llama 3.x uses."""
+    norm_epsilon: float = 1e-6
+    """RMSNorm epsilon."""
+    add_qkv_bias: bool = False
+    """Bias on the fused QKV projection (Qwen2 / Qwen2.5)."""
+    qk_layernorm: bool = False
+    """RMSNorm on queries and keys (Qwen3)."""
+    tie_word_embeddings: bool = False
+    """The output layer shares the input embedding's weight."""
+    make_vocab_size_divisible_by: int = 128
+    """Pad the vocabulary to a multiple of this x TP."""
+    init_method_std: float = 0.02
+    """Weight init std (random init only)."""
+    extra: dict = field(default_factory=dict)
+    """Anything else carried along (not used by the model build)."""
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        names = {f.name for f in fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise ConfigError(f"unknown model config keys: {sorted(unknown)}")
+        return cls(**d)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def padded_vocab_size(self, tp: int) -> int:
+        """Megatron pads the vocabulary to a multiple of divisible_by x TP."""
+        multiple = self.make_vocab_size_divisible_by * tp
+        return -(-self.vocab_size // multiple) * multiple
+
+    def validate(self, tp: int = 1, pp: int = 1) -> None:
+        groups = self.num_query_groups or self.num_attention_heads
+        if self.hidden_size % self.num_attention_heads != 0 and self.kv_channels is None:
+            raise ConfigError(
+                f"hidden size {self.hidden_size} is not divisible by {self.num_attention_heads} heads"
+            )
+        if self.num_attention_heads % groups != 0:
+            raise ConfigError(
+                f"{self.num_attention_heads} attention heads are not divisible into {groups} groups"
+            )
+        if self.num_attention_heads % tp != 0:
+            raise ConfigError(
+                f"--tensor-model-parallel-size {tp} does not divide the number of attention heads "
+                f"({self.num_attention_heads})"
+            )
+        if groups % tp != 0:
+            raise ConfigError(
+                f"--tensor-model-parallel-size {tp} does not divide the number of query groups ({groups})"
+            )
+        if self.num_layers % pp != 0:
+            raise ConfigError(
+                f"--pipeline-model-parallel-size {pp} does not divide the number of layers "
+                f"({self.num_layers})"
+            )
+
+
+@dataclass
+class PrecisionConfig:
+    """How the layers compute: dtype, FP8, and which implementation (Megatron's local spec or TE)."""
+
+    bf16: bool = option(False)
+    """bf16 weights and activations, fp32 main params."""
+    transformer_impl: str = option("auto", choices=("auto", "local", "transformer_engine"))
+    """Layer implementation: Megatron's local spec (CPU and GPU), Transformer Engine's (GPU; needed
+    for FP8), or auto: TE on a GPU when it imports, else local."""
+    fp8_format: str | None = option(None, choices=("e4m3", "hybrid"))
+    """FP8 GEMMs via Transformer Engine (needs --bf16 and a Hopper GPU): e4m3 everywhere, or
+    hybrid: e4m3 forward, e5m2 gradients."""
+    fp8_recipe: str = option("delayed", choices=("delayed", "tensorwise", "blockwise"))
+    """FP8 scaling recipe."""
+
+    def params_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.bf16 else torch.float32
+
+    def validate(self) -> None:
+        """What needs no GPU (a dry run checks it too); models.gpt.validate_precision the rest."""
+        check_fields(self)
+        if self.fp8_format is not None and not self.bf16:
+            raise ConfigError("--fp8-format needs --bf16")
+        if self.fp8_format is not None and self.transformer_impl == "local":
+            raise ConfigError("FP8 runs on Transformer Engine's layers: drop --transformer-impl local")
+
+
+@dataclass
+class ModelOptions:
+    """The model: a random init of the shape the flags give, or --load-hf's (shape, weights and
+    tokenizer), or --pretrained-checkpoint's weights."""
+
+    num_layers: int = option(2, range=at_least(1))
+    """Transformer layers."""
+    hidden_size: int = option(64, range=at_least(1))
+    """Model width."""
+    ffn_hidden_size: int = option(128, range=at_least(1))
+    """SwiGLU inner width."""
+    num_attention_heads: int = option(4, range=at_least(1))
+    """Query heads."""
+    num_query_groups: int | None = option(None, range=at_least(1))
+    """Key/value heads (GQA); default: as many as query heads, or 1 with --group-query-attention."""
+    group_query_attention: bool = option(False)
+    """Megatron-LM's GQA switch: --num-query-groups sets the groups (1 when not given);
+    --num-query-groups alone also works."""
+    kv_channels: int | None = option(None, range=at_least(1))
+    """Head dim; default hidden/heads."""
+    max_position_embeddings: int = option(256, range=at_least(1))
+    """RoPE table length."""
+    rotary_base: float = option(10000.0, range=above(0))
+    """RoPE base."""
+    norm_epsilon: float = option(1e-6, range=above(0))
+    """RMSNorm epsilon."""
+    add_qkv_bias: bool = option(False)
+    """Bias on the fused QKV projection (Qwen2)."""
+    qk_layernorm: bool = option(False)
+    """RMSNorm on queries and keys (Qwen3)."""
+    untie_embeddings_and_output_weights: bool = option(False)
+    """Separate output layer instead of the tied input embedding."""
+    make_vocab_size_divisible_by: int = option(128, range=at_least(1))
+    """Pad the vocabulary to a multiple of this x TP."""
+    vocab_size: int | None = option(None, range=at_least(1))
+    """Vocabulary of a randomly initialised model (synthetic task; default: its tokenizer's 13 ids).
+    Larger sizes model a real LM head for benchmarks; ids beyond the tokenizer's decode to nothing."""
+    init_method_std: float = option(0.02, range=above(0))
+    """Weight init std (random init only)."""
+    load_hf: str | None = option(None, path="dir")
+    """Initialise weights, model shape and tokenizer from a Hugging Face checkpoint directory."""
+    pretrained_checkpoint: str | None = option(None, path="dir")
+    """Initialise weights from a Megatron dist checkpoint (e.g. from emapg-convert), any TP/PP; the
+    model flags must describe its architecture (checked against the one it stores)."""
+
+    def validate(self) -> None:
+        if self.vocab_size is not None and self.load_hf is not None:
+            raise ConfigError("--vocab-size is for a randomly initialised model: --load-hf sets the vocabulary")
+        if self.vocab_size is not None and self.vocab_size < SYNTHETIC_VOCAB:
+            raise ConfigError(f"--vocab-size must cover the synthetic task's {SYNTHETIC_VOCAB} token "
+                              f"ids (got {self.vocab_size})")
+        check_fields(self)
+
+    def architecture(self, seq_length: int) -> ModelConfig:
+        """The architecture of a random init (no --load-hf): the flags' shapes, a RoPE table that
+        covers ``seq_length``."""
+        shared = {f.name: getattr(self, f.name) for f in fields(ModelConfig) if hasattr(self, f.name)}
+        return ModelConfig(**{
+            **shared, "vocab_size": self.vocab_size or SYNTHETIC_VOCAB,
+            "max_position_embeddings": max(self.max_position_embeddings, seq_length),
+            "tie_word_embeddings": not self.untie_embeddings_and_output_weights,
+            "num_query_groups": self.num_query_groups or (1 if self.group_query_attention else None)})
+
+
+def validate_fp8_shapes(cfg: ModelConfig, tp: int, seq_length: int, sequence_parallel: bool = False) -> None:
+    """FP8 GEMMs need the token dimension a multiple of 8 and the weight dimensions of 16.
+
+    A multiple of 8 in ``seq_length`` (per rank under sequence parallelism) leaves room for the
+    widths the passes use: the trainer pads each batch to 8 tokens per rank
+    (``Trainer._width_multiple``), which never exceeds ``seq_length``, and packed rows are
+    multiples of 8 x TP.
+    """
+    local = seq_length // tp if sequence_parallel else seq_length
+    if local % 8:
+        raise ConfigError(f"FP8 needs --seq-length{' / TP' if sequence_parallel else ''} "
+                          f"({local}) to be a multiple of 8")
+    head_dim = cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads
+    groups = cfg.num_query_groups or cfg.num_attention_heads
+    dims = {"hidden size": cfg.hidden_size, "FFN size / TP": cfg.ffn_hidden_size // tp,
+            "query projection / TP": cfg.num_attention_heads * head_dim // tp,
+            "key/value projection / TP": groups * head_dim // tp,
+            "padded vocabulary / TP": cfg.padded_vocab_size(tp) // tp}
+    for name, size in dims.items():
+        if size % 16:
+            raise ConfigError(f"FP8 needs every GEMM dimension to be a multiple of 16: the {name} is {size}")

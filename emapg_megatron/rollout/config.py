@@ -1,0 +1,125 @@
+"""Configs of the rollout engines: the built-in Megatron sampler and vLLM."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+
+from emapg_megatron.configurable import above, at_least, between, check_fields, option
+from emapg_megatron.errors import ConfigError
+
+ENGINES = ("megatron", "vllm")
+MAX_FORWARD_TOKENS = 16384
+"""Tokens (rows x width) above which a cached forward runs in micro-batches of rows: the default
+of --inference-batch-times-seqlen-threshold."""
+DEFAULT_BUCKET_MB = 512
+
+
+@dataclass
+class SamplerConfig:
+    """Which engine samples the rollouts, and the built-in sampler's KV cache."""
+
+    engine: str = option("megatron", flag="--rollout-engine", choices=ENGINES)
+    """Built-in Megatron sampler (CPU and GPU) or vLLM (GPU)."""
+    kv_cache: bool = option(True, flag="--rollout-kv-cache", negatable=True)
+    """Built-in sampler: decode through Megatron-Core's KV cache, feeding only new tokens (finished
+    sequences leave the batch); --no-rollout-kv-cache recomputes the whole sequence per token (the
+    reference; also what sequence parallelism falls back to)."""
+    max_requests: int | None = option(None, flag="--inference-max-requests", range=at_least(1))
+    """Built-in sampler with the KV cache: at most this many sequences share one cache
+    (Megatron-LM's flag); the rest of a rank's sequences follow in later waves. Megatron's static
+    cache is allocated whole, every position up to --seq-length, so this bounds its memory.
+    Default: as many as fit in 80% of the free GPU memory (all on CPU)."""
+    max_forward_tokens: int = option(MAX_FORWARD_TOKENS, flag="--inference-batch-times-seqlen-threshold",
+                                     range=at_least(1, also=(-1,)))
+    """Built-in sampler with the KV cache: a forward of more rows x tokens than this (a long prefill
+    of many sequences) runs in micro-batches of rows through Megatron's inference path, bounding its
+    activation memory (Megatron-LM's flag; here at any PP size, and on by default, where
+    Megatron-LM's default -1 is off); -1: never split."""
+
+    @property
+    def forward_token_limit(self) -> int | None:
+        """Rows x tokens of one cached forward before it is split; None: never split."""
+        return None if self.max_forward_tokens == -1 else self.max_forward_tokens
+
+    def validate(self) -> None:
+        check_fields(self)
+
+
+@dataclass
+class VLLMConfig:
+    """vLLM colocated with the trainer (--rollout-engine vllm)."""
+
+    hf_dir: str = ""
+    """Tokenizer and config.json; the weights come from the trainer (the run's --load-hf)."""
+    tensor_parallel_size: int | None = option(None, flag="--vllm-tensor-parallel-size", range=at_least(1))
+    """vLLM's TP degree (default: the trainer's); it divides the trainer's."""
+    gpu_memory_utilization: float = option(0.5, flag="--vllm-gpu-memory-utilization",
+                                           range=between(0, 1, low_open=True))
+    """Fraction of the whole GPU (weights + KV cache) vLLM may use while awake."""
+    sleep_level: int = option(2, flag="--vllm-sleep-level", choices=(0, 1, 2))
+    """vLLM sleep mode during training: 0 never sleeps; 1 copies its weights to CPU and frees the
+    KV cache; 2 frees both (the default: every step overwrites the weights anyway)."""
+    weight_sync_bucket_mb: float = option(DEFAULT_BUCKET_MB, flag="--vllm-weight-sync-bucket-mb",
+                                          range=above(0))
+    """Weight-sync bucket size (MiB)."""
+    enforce_eager: bool = option(False, flag="--vllm-enforce-eager")
+    """Skip CUDA-graph capture in vLLM (faster start, slower decode)."""
+    dtype: str = "bfloat16"
+    """vLLM's weight dtype (the sync loads BF16 tensors as they are)."""
+    enable_prefix_caching: bool = True
+    """The n samples of a prompt share its prefill."""
+    seed: int = 1234
+    """Sampling seed (the run's --seed)."""
+    per_request_seed: bool = True
+    """Seed each request from its global sequence index: samples independent of the DP layout."""
+    llm_kwargs: dict = field(default_factory=dict)
+    """Anything else for vllm.LLM."""
+
+    @property
+    def bucket_bytes(self) -> int:
+        return int(self.weight_sync_bucket_mb * 2**20)
+
+    def for_trainer(self, trainer_tp: int | None) -> VLLMConfig:
+        """This config with the TP degree resolved (unset: the trainer's)."""
+        return replace(self, tensor_parallel_size=self.tensor_parallel_size or trainer_tp or 1)
+
+    def validate(self, trainer_tp: int | None = None) -> None:
+        if not os.path.isfile(os.path.join(self.hf_dir, "config.json")):
+            raise ConfigError(f"vLLM needs a Hugging Face model directory with config.json and the "
+                              f"tokenizer: {self.hf_dir}")
+        self.check_settings(trainer_tp)
+
+    def check_settings(self, trainer_tp: int | None = None) -> None:
+        """Everything but the model directory; the CLI runs this before any work starts."""
+        if self.sleep_level not in (0, 1, 2):
+            raise ConfigError(f"vLLM sleep level must be 0, 1 or 2 (got {self.sleep_level})")
+        check_fields(self)
+        refused = sorted({"quantization", "kv_cache_dtype"} & set(self.llm_kwargs))
+        if refused:
+            # The sync loads the trainer's BF16 tensors as they are: quantized vLLM weights would
+            # need re-quantizing after every load.
+            raise ConfigError(f"vLLM llm_kwargs {refused} are not supported by the weight sync")
+        tp = self.tensor_parallel_size or trainer_tp or 1
+        if trainer_tp is not None and trainer_tp % tp != 0:
+            # A vLLM TP group must not straddle two data-parallel ranks (different prompts).
+            raise ConfigError(f"--vllm-tensor-parallel-size {tp} must divide "
+                              f"--tensor-model-parallel-size {trainer_tp}")
+
+    def llm_kwargs_for(self, max_model_len: int) -> dict:
+        return {
+            "model": self.hf_dir,
+            "tokenizer": self.hf_dir,
+            "dtype": self.dtype,
+            "seed": self.seed,
+            "tensor_parallel_size": self.tensor_parallel_size or 1,
+            "distributed_executor_backend": "external_launcher",
+            "gpu_memory_utilization": self.gpu_memory_utilization,
+            "max_model_len": max_model_len,
+            "enable_sleep_mode": self.sleep_level > 0,
+            "enforce_eager": self.enforce_eager,
+            "enable_prefix_caching": self.enable_prefix_caching,
+            "load_format": "dummy",
+            "logprobs_mode": "processed_logprobs",
+            **self.llm_kwargs,
+        }

@@ -175,3 +175,12 @@ def test_a_flag_declared_twice_is_refused():
 
     with pytest.raises(TypeError, match="--same is declared twice"):
         configurable.add_arguments(argparse.ArgumentParser(), Clash)
+
+
+def test_a_missing_retriever_corpus_is_refused_before_any_work(tmp_path):
+    data = tmp_path / "qa.jsonl"
+    data.write_text('{"question": "q", "golden_answers": ["a"]}\n')
+    code, err = _run_cli("--task", "search", "--load-hf", str(tmp_path), "--data-path", str(data),
+                         "--retriever", str(tmp_path / "missing.jsonl"))
+    assert code == 2 and err == (f"error: --retriever {tmp_path / 'missing.jsonl'}: no such corpus file "
+                                 "(give a jsonl corpus or the http:// URL of a retriever service)")

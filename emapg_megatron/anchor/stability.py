@@ -160,8 +160,6 @@ class StabilityMonitor:
     """Estimates α·β·λ_max against 1 + η every ``interval`` trainer steps and warns on a bad margin."""
 
     def __init__(self, eta: float, interval: int, *, lr: float | None = None, beta: float | None = None):
-        if interval < 0:
-            raise ConfigError(f"--ema-stability-interval must be >= 0 (got {interval})")
         self.eta, self.interval, self.lr, self.beta = eta, interval, lr, beta
         self.last: StabilityEstimate | None = None
 

@@ -45,6 +45,7 @@ from megatron.core.inference.model_inference_wrappers.inference_wrapper_config i
 from megatron.core.utils import get_attr_wrapped_model, get_model_config
 
 from emapg_megatron import runtime
+from emapg_megatron.errors import ConfigError
 from emapg_megatron.models.gpt import has_local_attention
 from emapg_megatron.rollout.episodes import Turn
 
@@ -125,7 +126,7 @@ def cache_rows(model, rows: int, max_len: int, max_requests: int | None = None) 
         fit = int(t.item())
     if fit < 1:
         where = "" if own < 1 else " on another rank of this model-parallel group"
-        raise runtime.ConfigError(
+        raise ConfigError(
             f"the KV cache of one sequence ({per_row / 2**30:.2f} GiB up to --seq-length) does not "
             f"fit in {CACHE_MEMORY_FRACTION:.0%} of the free GPU memory{where} (here "
             f"{free / 2**30:.2f} GiB): lower --seq-length, add tensor or pipeline parallelism, or "

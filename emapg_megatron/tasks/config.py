@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from emapg_megatron.configurable import ANY_NUMBER, at_least, check_fields, option
 from emapg_megatron.errors import ConfigError
 
 TASKS = ("synthetic-copy", "math", "search")
+LONG_PROMPT_MODES = ("error", "drop")
 DEFAULT_MAX_TURNS = 4
 """Model turns of a search episode, for the trainer, ``evaluate`` and :class:`SearchConfig` alike."""
 
@@ -20,7 +22,7 @@ class TaskConfig:
     """RL task providing prompts and rewards."""
     data_path: str | None = option(None, path="exists")
     """Local parquet/jsonl training data (math and search tasks)."""
-    long_prompts: str = option("error", choices=("error", "drop"))
+    long_prompts: str = option("error", choices=LONG_PROMPT_MODES)
     """Prompts longer than --seq-length minus --max-new-tokens (search: --max-turn-tokens): error
     stops before training with their count and first row; drop leaves them out and logs the count."""
     chat_template: str = option("auto", choices=("auto", "always", "never"))
@@ -52,3 +54,7 @@ class TaskConfig:
             raise ConfigError(f"--task {self.name} needs --data-path")
         if self.name == "search" and self.retriever is None:
             raise ConfigError("--task search needs --retriever")
+        if self.retriever and not self.retriever.startswith(("http://", "https://")) \
+                and not os.path.isfile(self.retriever):
+            raise ConfigError(f"--retriever {self.retriever}: no such corpus file (give a jsonl "
+                              "corpus or the http:// URL of a retriever service)")

@@ -19,9 +19,9 @@ from typing import Any, Callable, Optional, Sequence
 
 from emapg_megatron.errors import ConfigError
 from emapg_megatron.tasks.base import encode_many, encode_text
+from emapg_megatron.tasks.config import LONG_PROMPT_MODES
 from emapg_megatron.tasks.data import DataFileError, MissingColumnError
 
-LONG_PROMPT_MODES = ("error", "drop")
 #: the training CLI's flags named in the messages
 DATA_FLAG = "--data-path"
 LONG_PROMPTS_FLAG = "--long-prompts"

@@ -104,7 +104,8 @@ class PolicyPasses:
         kl = kl_from_policy_terms(
             terms, mb["labels"], q, mb.get("ref_logprob_topk"), mb["ref_logprob"],
             kind=self.kl.loss_type, tail=self.kl.tail, alpha=self.kl.alpha,
-            sampling_logprob=mb["sampling_logprob"], iw_clip=self.kl.iw_clip, loss_mask=mb["mask"])
+            sampling_logprob=mb["sampling_logprob"], iw_clip=self.kl.iw_clip,
+            reference_clamps=self.kl.reference_clamps, loss_mask=mb["mask"])
         # the per-sequence aggregation sees each sequence's tokens as the padded batch has them
         logprob, old, kl, entropy, mask, sampling = layout_of(mb).per_sequence(
             terms.logprob, mb["old_logprob"], kl * mb["mask"], terms.entropy, mb["mask"],

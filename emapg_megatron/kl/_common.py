@@ -13,6 +13,7 @@ import torch
 __all__ = [
     "IWClip",
     "LogWRange",
+    "REFERENCE_LOG_CLAMP",
     "clamp_log_w",
     "compute_dtype",
     "upcast",
@@ -27,6 +28,10 @@ IWClip = Optional[Tuple[Optional[float], Optional[float]]]
 #: ``(lo, hi)`` clamp of a log-ratio; ``None`` leaves that side open.
 LogWRange = Tuple[Optional[float], Optional[float]]
 NO_CLAMP: LogWRange = (None, None)
+#: The reference code's clamp of a log-ratio before ``exp`` ("numerical stability"): log w in its
+#: K3, K3++ and K5, and log(pi/pi_sampling) in its importance weight. Ours only with
+#: ``reference_clamps=True`` (``--kl-reference-clamps``): it biases wherever it binds.
+REFERENCE_LOG_CLAMP: LogWRange = (-20.0, 20.0)
 
 
 def compute_dtype(*tensors: Optional[torch.Tensor]) -> torch.dtype:
@@ -58,6 +63,7 @@ def importance_weight(
     logprob: torch.Tensor,
     sampling_logprob: Optional[torch.Tensor] = None,
     iw_clip: IWClip = None,
+    reference_clamps: bool = False,
 ) -> torch.Tensor:
     """Off-policy weight ``s = clip(sg(pi_theta(y) / pi_sampling(y)), s_min, s_max)`` per token.
 
@@ -66,12 +72,15 @@ def importance_weight(
     clipped, so a clip range that excludes 1 is honoured). ``iw_clip = (s_min, s_max)``; either bound
     may be ``None``. With no clip the weight is exact and the corrected estimators stay unbiased
     under y ~ pi_sampling; clipping trades that for variance (Fig. 9 of the paper).
+    ``reference_clamps`` clamps log s to :data:`REFERENCE_LOG_CLAMP` before ``exp``, as the reference
+    code does (s in [2e-9, 4.9e8] before the clip).
     """
     lp = sg(logprob)
     if sampling_logprob is None:
         s = torch.ones_like(lp)
     else:
-        s = torch.exp(lp - sampling_logprob.to(lp.dtype).detach())
+        log_s = lp - sampling_logprob.to(lp.dtype).detach()
+        s = torch.exp(clamp_log_w(log_s, REFERENCE_LOG_CLAMP if reference_clamps else NO_CLAMP))
     if iw_clip is not None:
         if len(iw_clip) != 2:
             raise ValueError(f"iw_clip must be (s_min, s_max), got {iw_clip!r}")
@@ -83,7 +92,8 @@ def importance_weight(
 
 
 def clamp_log_w(log_w: torch.Tensor, bounds: LogWRange) -> torch.Tensor:
-    """``log_w`` clamped to ``bounds = (lo, hi)`` (``torch.clamp``: no gradient flows beyond a bound)."""
+    """``log_w`` (a log-ratio, or an estimate) clamped to ``bounds = (lo, hi)`` (``torch.clamp``: no
+    gradient flows beyond a bound); itself for ``NO_CLAMP``."""
     lo, hi = bounds
     return log_w if lo is None and hi is None else log_w.clamp(lo, hi)
 

@@ -29,6 +29,11 @@ class KLConfig:
                                                  range=at_least(0))
     """Clip the importance weight pi/pi_sampling of the sampled KL terms: the Top-k estimators'
     tail (no effect with --kl-tail none) and the sampled k1..k5 estimators."""
+    reference_clamps: bool = option(False, flag="--kl-reference-clamps")
+    """Apply the paper's reference code's numerical clamps (biased where they bind; off: the exact
+    formulas): log(pi/pi_sampling) to [-20, 20] before the importance weight's exp, log w to
+    [-20, 20] in K3, K3++ and K5 (sampled k5 and the topk-forward tail), the K3 / K3++ value to
+    [-10, 10]. See docs/kl_estimators.md."""
 
     def __post_init__(self):
         if self.iw_clip is not None:

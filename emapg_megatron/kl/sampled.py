@@ -19,6 +19,10 @@ estimate is multiplied by the stop-gradient importance weight ``s = sg(pi_theta(
 optionally clipped to ``iw_clip = (s_min, s_max)``; unclipped, every row of the table holds
 unchanged under y ~ pi_sampling.
 
+``reference_clamps=True`` applies the reference code's clamps (``kl_penalty``), which bias the
+estimate wherever they bind: log w to [-20, 20] in ``k3``, ``k3++`` and ``k5``, the K3 value to
+[-10, 10] in ``k3`` and ``k3++`` (before the ratio r), and log s to [-20, 20] in the weight.
+
 All functions take ``[...]`` per-token log-probabilities and return ``[...]`` per-token estimates,
 computed in fp32 (fp64 if any input is fp64). Nothing here needs the vocabulary, so a vocab-parallel
 implementation calls them directly on its gathered ``log pi(y)``.
@@ -32,6 +36,7 @@ import torch
 
 from ._common import (
     NO_CLAMP,
+    REFERENCE_LOG_CLAMP,
     IWClip,
     LogWRange,
     _check_name,
@@ -43,6 +48,7 @@ from ._common import (
 )
 
 __all__ = [
+    "REFERENCE_CLAMPS",
     "SAMPLED_ESTIMATORS",
     "SAMPLED_ESTIMATOR_DIRECTION",
     "sampled_kl",
@@ -51,6 +57,13 @@ __all__ = [
 
 #: Valid ``estimator`` names, in Table 1 order.
 SAMPLED_ESTIMATORS = ("k1", "k2", "k3", "k3++", "k4", "k5")
+
+#: The reference code's clamps of its sampled estimators, ``(log w, value)``: K1, K2, K4 have none.
+REFERENCE_CLAMPS = {
+    "k3": (REFERENCE_LOG_CLAMP, (-10.0, 10.0)),
+    "k3++": (REFERENCE_LOG_CLAMP, (-10.0, 10.0)),
+    "k5": (REFERENCE_LOG_CLAMP, NO_CLAMP),
+}
 
 #: The KL direction whose *value* each estimator targets in expectation (``k2`` targets none exactly;
 #: its gradient is the reverse-KL gradient, so it is listed as reverse).
@@ -65,13 +78,18 @@ SAMPLED_ESTIMATOR_DIRECTION = {
 
 
 def sampled_kl_unweighted(
-    logprob: torch.Tensor, ref_logprob: torch.Tensor, estimator: str, log_w_clamp: LogWRange = NO_CLAMP
+    logprob: torch.Tensor,
+    ref_logprob: torch.Tensor,
+    estimator: str,
+    log_w_clamp: LogWRange = NO_CLAMP,
+    k3_clamp: LogWRange = NO_CLAMP,
 ) -> torch.Tensor:
     """The Table 1 expression for one sampled token, without the off-policy weight.
 
     ``logprob`` and ``ref_logprob`` must already share the compute dtype. ``log_w_clamp`` clamps
-    log w first (``torch.clamp``: no gradient through w beyond it), as the reference code does
-    in its K5 with (-20, 20); the default is no clamp.
+    log w first (``torch.clamp``: no gradient through w beyond it), ``k3_clamp`` the value of K3
+    (in ``k3++`` before the ratio r), as the reference code does (:data:`REFERENCE_CLAMPS`); the
+    default is no clamp.
     """
     lp = logprob
     log_w = clamp_log_w(ref_logprob - lp, log_w_clamp)
@@ -80,10 +98,10 @@ def sampled_kl_unweighted(
     if estimator == "k2":
         return 0.5 * log_w * log_w
     if estimator == "k3":
-        return -log_w + torch.expm1(log_w)
+        return clamp_log_w(-log_w + torch.expm1(log_w), k3_clamp)
     r = torch.exp(lp - sg(lp))  # value exactly 1, gradient grad log pi(y)
     if estimator == "k3++":
-        return r * (-log_w + torch.expm1(log_w))
+        return r * clamp_log_w(-log_w + torch.expm1(log_w), k3_clamp)
     if estimator == "k4":
         return r * sg(-log_w)
     if estimator == "k5":
@@ -99,6 +117,7 @@ def sampled_kl(
     *,
     sampling_logprob: Optional[torch.Tensor] = None,
     iw_clip: IWClip = None,
+    reference_clamps: bool = False,
 ) -> torch.Tensor:
     """Per-token sampled KL estimate ``s * K(y)``.
 
@@ -108,6 +127,7 @@ def sampled_kl(
         estimator: one of :data:`SAMPLED_ESTIMATORS` (``k1``, ``k2``, ``k3``, ``k3++``, ``k4``, ``k5``).
         sampling_logprob: ``[...]`` log pi_sampling(y); ``None`` means on-policy (s = 1).
         iw_clip: ``(s_min, s_max)`` clip of the importance weight; ``None`` = unclipped.
+        reference_clamps: the reference code's clamps (module docstring); ``False``: none.
 
     Returns:
         ``[...]`` estimate in the compute dtype (fp32, or fp64 for fp64 inputs).
@@ -116,8 +136,9 @@ def sampled_kl(
     dt = compute_dtype(logprob, ref_logprob, sampling_logprob)
     lp = upcast(logprob, dt)
     lr = upcast(ref_logprob, dt).detach()
-    est = sampled_kl_unweighted(lp, lr, estimator)
+    clamps = REFERENCE_CLAMPS.get(estimator, ()) if reference_clamps else ()
+    est = sampled_kl_unweighted(lp, lr, estimator, *clamps)
     if sampling_logprob is None and iw_clip is None:
         return est
-    s = importance_weight(lp, upcast(sampling_logprob, dt), iw_clip)
+    s = importance_weight(lp, upcast(sampling_logprob, dt), iw_clip, reference_clamps)
     return s * est

@@ -39,6 +39,10 @@ Tail variants (``tail=``, see :data:`TOPK_TAILS`)
     Truncated KL: the exact term on q only, no tail and no importance weight. Biased in value and
     gradient (it omits the tail), zero variance; the reference's ``kl_use_tail_sampling=false``.
 
+Reference clamps: ``reference_clamps=True`` adds the reference code's other clamps to any tail:
+log w to [-20, 20] in the K5 tail (as ``"paper"`` always does) and log s to [-20, 20] in the
+importance weight before ``exp``. Biased wherever they bind; off by default.
+
 Extreme ratios: the ``"unbiased"`` tail is exact while its value fits the compute dtype with
 e^24 to spare; beyond that (K5: log w > 64.7 in fp32, > 685.8 in fp64, see
 :func:`~emapg_megatron.kl.divergences.log_w_range`; K4 never overflows) log w is clamped, so
@@ -66,6 +70,7 @@ import torch
 
 from ._common import (
     NO_CLAMP,
+    REFERENCE_LOG_CLAMP,
     IWClip,
     LogWRange,
     _check_name,
@@ -89,15 +94,16 @@ TOPK_TAILS = ("unbiased", "paper", "none")
 
 #: The reference code clamps log w to [-20, 20] in its K5 ("numerical stability"), both in the
 #: Top-k forward tail and in its sampled ``k5``; ``tail="paper"`` reproduces it.
-PAPER_K5_LOG_W_CLAMP = (-20.0, 20.0)
+PAPER_K5_LOG_W_CLAMP = REFERENCE_LOG_CLAMP
 
 _TAIL_ESTIMATOR = {"reverse": "k4", "forward": "k5"}
 
 
-def _tail_log_w_range(direction: str, tail: str, dtype: torch.dtype) -> LogWRange:
-    """The clamp of log w in the K4/K5 tail: the reference code's for ``paper`` (K5 only), the
-    dtype's overflow range for ``unbiased`` (K5 grows like the forward-KL Kf++; K4 needs none)."""
-    if tail == "paper":
+def _tail_log_w_range(direction: str, tail: str, dtype: torch.dtype, reference_clamps: bool) -> LogWRange:
+    """The clamp of log w in the K4/K5 tail: the reference code's for ``paper`` or with
+    ``reference_clamps`` (K5 only), else the dtype's overflow range (K5 grows like the forward-KL
+    Kf++; K4 needs none)."""
+    if tail == "paper" or reference_clamps:
         return PAPER_K5_LOG_W_CLAMP if direction == "forward" else NO_CLAMP
     return log_w_range(KL_GENERATOR[direction], None, dtype)
 
@@ -112,6 +118,7 @@ def topk_kl_from_gathered(
     direction: str,
     tail: str = "unbiased",
     iw: Optional[torch.Tensor] = None,
+    reference_clamps: bool = False,
 ) -> torch.Tensor:
     """Top-k KL from per-token gathered quantities (no vocabulary dimension).
 
@@ -124,6 +131,7 @@ def topk_kl_from_gathered(
         direction: ``"reverse"`` or ``"forward"``.
         tail: one of :data:`TOPK_TAILS`.
         iw: ``[...]`` importance weight s (already stop-gradient and clipped), ``None`` for s = 1.
+        reference_clamps: clamp log w in the K5 tail to the reference code's [-20, 20] (any tail).
 
     All floating inputs must share one dtype (the compute dtype). Returns ``[...]``.
     """
@@ -138,7 +146,7 @@ def topk_kl_from_gathered(
     zero = torch.zeros((), dtype=logprob_token.dtype, device=logprob_token.device)
     lp_y = torch.where(in_tail, logprob_token, zero)
     lr_y = torch.where(in_tail, ref_logprob_token.detach(), zero)
-    bounds = _tail_log_w_range(direction, tail, logprob_token.dtype)
+    bounds = _tail_log_w_range(direction, tail, logprob_token.dtype, reference_clamps)
     tail_est = sampled_kl_unweighted(lp_y, lr_y, _TAIL_ESTIMATOR[direction], bounds)
     if iw is not None:
         tail_est = iw * tail_est
@@ -161,6 +169,7 @@ def topk_kl(
     tail: str = "unbiased",
     sampling_logprob: Optional[torch.Tensor] = None,
     iw_clip: IWClip = None,
+    reference_clamps: bool = False,
 ) -> torch.Tensor:
     """Per-token Top-k KL estimate (Algorithms 1/2 with the tail variant ``tail``).
 
@@ -176,6 +185,7 @@ def topk_kl(
         tail: ``"unbiased"`` (default), ``"paper"`` or ``"none"``; see the module docstring.
         sampling_logprob: ``[...]`` log pi_sampling(y) for the off-policy weight; ``None`` = on-policy.
         iw_clip: ``(s_min, s_max)`` clip of the importance weight; ``None`` = unclipped.
+        reference_clamps: the reference code's clamps (module docstring); ``False``: none.
 
     Returns:
         ``[...]`` estimate in the compute dtype (fp32, or fp64 for fp64 inputs).
@@ -183,13 +193,15 @@ def topk_kl(
     _check_name(direction, KL_DIRECTIONS, "KL direction")
     _check_name(tail, TOPK_TAILS, "Top-k tail")
     gathered = gather_topk_inputs(logits, token, topk_index, ref_logprob_topk, ref_logprob_token,
-                                  tail=tail, sampling_logprob=sampling_logprob, iw_clip=iw_clip)
+                                  tail=tail, sampling_logprob=sampling_logprob, iw_clip=iw_clip,
+                                  reference_clamps=reference_clamps)
     *quantities, iw = gathered
-    return topk_kl_from_gathered(*quantities, direction=direction, tail=tail, iw=iw)
+    return topk_kl_from_gathered(*quantities, direction=direction, tail=tail, iw=iw,
+                                 reference_clamps=reference_clamps)
 
 
 def gather_topk_inputs(logits, token, topk_index, ref_logprob_topk, ref_logprob_token, *, tail: str,
-                       sampling_logprob=None, iw_clip=None) -> tuple:
+                       sampling_logprob=None, iw_clip=None, reference_clamps: bool = False) -> tuple:
     """What the ``*_from_gathered`` estimators need, from full ``[..., V]`` logits: log pi at q
     and at y, the anchor's log-probs (compute dtype), whether y is in q, and the tail's
     importance weight. The vocab-parallel op produces the same quantities without gathering."""
@@ -199,6 +211,6 @@ def gather_topk_inputs(logits, token, topk_index, ref_logprob_topk, ref_logprob_
     lp_y = gather_last(logp, token)
     iw = None
     if tail != "none" and (sampling_logprob is not None or iw_clip is not None):
-        iw = importance_weight(lp_y, upcast(sampling_logprob, dt), iw_clip)
+        iw = importance_weight(lp_y, upcast(sampling_logprob, dt), iw_clip, reference_clamps)
     return (gather_last(logp, topk_index), lp_y, upcast(ref_logprob_topk, dt),
             upcast(ref_logprob_token, dt), token_in_topk(token, topk_index), iw)

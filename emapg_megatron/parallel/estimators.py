@@ -52,6 +52,7 @@ def kl_from_policy_terms(
     iw_clip: IWClip = None,
     alpha: Optional[float] = None,
     loss_mask: Optional[torch.Tensor] = None,
+    reference_clamps: bool = False,
 ) -> torch.Tensor:
     """Per-token divergence estimate ``[...]``, differentiable through ``terms``.
 
@@ -63,7 +64,9 @@ def kl_from_policy_terms(
     equals it on the gathered logits. ``topk_index``, ``terms.logprob_topk`` and
     ``ref_logprob_topk`` all ``None`` means k = 0 (the Top-k loss is its sampled tail alone).
     ``loss_mask`` zeroes masked tokens (whose inputs may be padding) and restricts the
-    duplicate-id check on q to the unmasked ones.
+    duplicate-id check on q to the unmasked ones. ``reference_clamps`` applies the reference code's
+    clamps (``--kl-reference-clamps``): to the importance weight for every kind, and to the K3 /
+    K3++ / K5 estimates (sampled ``k3``, ``k3++``, ``k5``, the ``topk-forward`` tail).
     """
     entry = topk_fdiv_type(kind) if kind in ALL_DIVERGENCES else loss_type(kind)
     kwargs = entry.kwargs(alpha)
@@ -71,7 +74,8 @@ def kl_from_policy_terms(
     ref_y = _masked(ref_logprob_token, valid)
     samp = None if sampling_logprob is None else _masked(sampling_logprob, valid)
     if entry.family == SAMPLED:
-        out = entry.estimator(terms.logprob, ref_y, sampling_logprob=samp, iw_clip=iw_clip, **kwargs)
+        out = entry.estimator(terms.logprob, ref_y, sampling_logprob=samp, iw_clip=iw_clip,
+                              reference_clamps=reference_clamps, **kwargs)
         return _masked(out, valid)
     _check_name(tail, TOPK_TAILS, "Top-k tail")
     dt = compute_dtype(terms.logprob, ref_logprob_topk, ref_logprob_token, sampling_logprob)
@@ -79,7 +83,9 @@ def kl_from_policy_terms(
     q, lp_q, ref_q = _index_set(entry, terms, tokens, topk_index, ref_logprob_topk, valid, dt)
     iw = None
     if tail != "none" and (samp is not None or iw_clip is not None):
-        iw = importance_weight(lp_y, upcast(samp, dt), iw_clip)
+        iw = importance_weight(lp_y, upcast(samp, dt), iw_clip, reference_clamps)
+    if entry.family == TOPK_KL:  # the f-divergence tails have no reference counterpart
+        kwargs["reference_clamps"] = reference_clamps
     out = entry.estimator(lp_q, lp_y, ref_q, upcast(ref_y, dt), token_in_topk(tokens, q), tail=tail, iw=iw,
                           **kwargs)
     return _masked(out, valid)

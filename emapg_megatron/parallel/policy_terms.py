@@ -32,7 +32,8 @@ token in the logits' dtype:
   where ``g - G p`` cancels) stays at fp32 accuracy; elsewhere the error is one bf16 rounding of p.
 
 Gradients are written in the logits' dtype (fp32 work per chunk). Loss-masked tokens are skipped
-(no compute, zero gradient) and padding columns get zero gradient.
+(no compute, zero gradient) and padding columns get zero gradient; so do masked (-inf, or any
+logit whose p underflows to 0) columns, in every variant, unless one of the k + 1 ids is there.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from .vocab_parallel import (
     check_ids,
     chunk_rows,
     compute_dtype,
+    floor_log_underflow_,
     forward_pass,
     iter_chunks,
     owned_columns,
@@ -250,8 +252,9 @@ def _dense_recompute(z, out, shift, lse, big_g, g_h, ent):
     inv = torch.exp(-lse)
     if g_h is None:
         return w.exp_().mul_(-big_g.unsqueeze(-1) * inv)
-    # -p (G + g_H (log p + H)) = -exp(w) exp(-lse) (g_H w + G + g_H (H - lse))
-    e = w.exp()
+    # -p (G + g_H (log p + H)) = -exp(w) exp(-lse) (g_H w + G + g_H (H - lse)); w floored so that a
+    # masked logit's 0 * (g_H w) is 0, as in forward (one pass more, entropy only)
+    e = floor_log_underflow_(w).exp()
     return w.mul_(-g_h * inv).sub_((big_g.unsqueeze(-1) + g_h * (ent - lse)) * inv).mul_(e)
 
 

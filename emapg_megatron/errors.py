@@ -5,6 +5,9 @@
 * :class:`RunError` and its kinds: the run started and then failed (weights that exploded, a
   checkpoint that could not be written, a peer that died, too many skipped steps). Exit code 1.
 
+An error that every rank of a run raises alike (a decision rank 0 made and shared, a check whose
+result is reduced over all ranks) is marked :func:`agreed`: only rank 0 prints it.
+
 This module imports nothing of the package: every layer may raise these.
 """
 
@@ -33,3 +36,9 @@ class SkippedStepsError(RunError):
 
 class CollectiveError(RunError):
     """A collective failed: a peer process died or stopped responding."""
+
+
+def agreed(error: BaseException) -> BaseException:
+    """Mark ``error`` as raised alike on every rank: only rank 0 reports it."""
+    error.agreed = True
+    return error

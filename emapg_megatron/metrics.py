@@ -1,4 +1,5 @@
-"""Training metrics: a progress line per step with ETA, JSONL, TensorBoard and a PNG of curves.
+"""Training metrics: a progress line per step with ETA, JSONL, TensorBoard, Weights & Biases
+(optional), rollout dumps and a PNG of curves.
 
 Only the logging rank (global rank 0) writes; others get a no-op logger.
 """
@@ -14,6 +15,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from torch.utils.tensorboard import SummaryWriter
 
+from emapg_megatron.training.config import CURVES_FILE, METRICS_FILE, ROLLOUTS_FILE
+
 PROGRESS_KEYS = ("reward_mean", "kl", "clip_frac", "ema_lag", "entropy", "ema/stability_margin")
 PLOT_KEYS = ("reward_mean", "kl", "entropy", "clip_frac", "ema_lag", "pg_loss")
 
@@ -27,9 +30,16 @@ def format_eta(seconds: float) -> str:
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m:02d}:{s:02d}"
 
 
+def run_name(start_step: int) -> str:
+    """This run's TensorBoard folder: its start time, and the step it resumed from."""
+    return time.strftime("run-%Y%m%d-%H%M%S") + (f"-from-step-{start_step}" if start_step else "")
+
+
 class MetricsLogger:
     def __init__(self, log_dir: str, total_steps: int, *, tensorboard_dir: str | None = None,
-                 enabled: bool = True, start_step: int = 0, log_interval: int = 1):
+                 enabled: bool = True, start_step: int = 0, log_interval: int = 1,
+                 wandb_project: str | None = None, wandb_name: str | None = None,
+                 run_config: dict | None = None):
         self.enabled = enabled
         self.total_steps = total_steps
         self.log_interval = log_interval
@@ -39,12 +49,18 @@ class MetricsLogger:
         if not enabled:
             return
         os.makedirs(log_dir, exist_ok=True)
-        path = os.path.join(log_dir, "metrics.jsonl")
+        path = os.path.join(log_dir, METRICS_FILE)
         trim_jsonl(path, start_step)
         self.jsonl = open(path, "a", encoding="utf-8")
-        # A resumed run logs steps start_step+1.. again: hide the old run's events from there on.
-        self.tb = SummaryWriter(tensorboard_dir or os.path.join(log_dir, "tensorboard"),
-                                purge_step=start_step + 1 if start_step else None)
+        # Each run (a resume too) in its own folder: TensorBoard shows them as runs side by side.
+        self.tb_dir = os.path.join(tensorboard_dir or os.path.join(log_dir, "tensorboard"), run_name(start_step))
+        self.tb = SummaryWriter(self.tb_dir)
+        self.wandb = None
+        if wandb_project:
+            import wandb  # the [wandb] extra; its presence is checked before any work
+
+            self.wandb = wandb.init(project=wandb_project, name=wandb_name, dir=log_dir,
+                                    config=run_config or {}, resume="allow")
 
     def log(self, step: int, metrics: dict) -> None:
         if not self.enabled:
@@ -56,6 +72,8 @@ class MetricsLogger:
             if k != "step":
                 self.tb.add_scalar(k, v, step)
         self.tb.flush()  # a run that stops with an error or a signal keeps its last steps
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in record.items() if k != "step"}, step=step)
         if step % self.log_interval == 0 or step == self.total_steps:
             print(self.progress_line(step, record), flush=True)
 
@@ -74,14 +92,28 @@ class MetricsLogger:
         parts.append(f"elapsed {format_eta(elapsed)} eta {format_eta(eta)}")
         return " | ".join(parts)
 
+    def dump_rollouts(self, step: int, samples) -> None:
+        """Append ``(prompt, response, reward)`` of every sequence of ``step`` to rollouts.jsonl."""
+        if not self.enabled:
+            return
+        with open(os.path.join(self.log_dir, ROLLOUTS_FILE), "a", encoding="utf-8") as f:
+            for prompt, response, reward in samples:
+                f.write(json.dumps({"step": step, "prompt": prompt, "response": response,
+                                    "reward": reward}, ensure_ascii=False) + "\n")
+
+    def warn(self, message: str) -> None:
+        if self.enabled:
+            print(f"warning: {message}", flush=True)
+
     def close(self) -> str | None:
         """Flush and write ``curves.png``; returns its path."""
         if not self.enabled:
             return None
         self.jsonl.close()
         self.tb.close()
-        return plot_curves(os.path.join(self.log_dir, "metrics.jsonl"),
-                           os.path.join(self.log_dir, "curves.png"))
+        if self.wandb is not None:
+            self.wandb.finish()
+        return plot_curves(os.path.join(self.log_dir, METRICS_FILE), os.path.join(self.log_dir, CURVES_FILE))
 
 
 def trim_jsonl(path: str, last_step: int) -> None:

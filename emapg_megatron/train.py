@@ -17,9 +17,11 @@ import torch.distributed as dist
 
 from emapg_megatron import build, runtime
 from emapg_megatron.checkpoint import training as checkpointing
-from emapg_megatron.errors import CollectiveError, ConfigError, RunError
+from emapg_megatron.errors import CollectiveError, ConfigError, RunError, agreed
 from emapg_megatron.metrics import MetricsLogger
 from emapg_megatron.training import loop
+from emapg_megatron.training.collectives import on_rank0
+from emapg_megatron.training.outputs import clear_earlier_run
 from emapg_megatron.training.run_lock import lock_save_dir
 
 
@@ -37,19 +39,25 @@ def run(argv=None) -> int:
     save_lock = None
     try:
         save_lock = lock_save_dir(save) if save else None  # one run per --save directory
+        if cfg.checkpoint.overwrite and not load:
+            cleared = on_rank0(lambda: clear_earlier_run(cfg.checkpoint, log))
+            if cleared:
+                loop.log0(f"--overwrite: deleted {len(cleared)} checkpoint and log files of an earlier run")
         trainer = build.build_trainer(inputs)
         start = loop.resume(load, trainer, cfg.flags()) if load else 0
         loop.log0(f"layout {build.layout(cfg.parallel, dist.get_world_size())}; "
                   f"training steps {start + 1}..{cfg.loop.train_iters}")
         logger = MetricsLogger(log.log_dir, cfg.loop.train_iters, tensorboard_dir=log.tensorboard_dir,
                                enabled=dist.get_rank() == 0, start_step=start,
-                               log_interval=log.log_interval)
+                               log_interval=log.log_interval, wandb_project=log.wandb_project,
+                               wandb_name=log.wandb_exp_name, run_config=cfg.flags())
         try:
-            loop.run_steps(cfg.loop, cfg.checkpoint, trainer, logger, start, cfg.flags())
+            record = loop.RunRecord(cfg.flags(), build.model_metadata(inputs))
+            loop.run_steps(cfg.loop, cfg.checkpoint, trainer, logger, start, record, log)
         finally:
             png = logger.close()  # also after a stop on non-finite steps: the curves show it
         if png:
-            loop.log0(f"metrics: {os.path.join(log.log_dir, 'metrics.jsonl')}; curves: {png}")
+            loop.log0(f"metrics: {log.metrics_path}; curves: {png}")
     finally:
         if save_lock is not None:
             save_lock.release()
@@ -58,20 +66,33 @@ def run(argv=None) -> int:
 
 
 def main(argv=None) -> None:
+    sys.exit(run_checked(lambda: run(argv)))
+
+
+def run_checked(fn) -> int:
+    """``fn()``'s exit code, its errors reported in one line: bad input exits 2, a run that
+    failed after it started 1, Ctrl-C before the steps 130. An error every rank raised alike is
+    said by rank 0 only."""
     try:
-        sys.exit(run(argv))
+        return fn() or 0
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        return _report(e, 2)
     except RunError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(1)
+        return _report(e, 1)
+    except KeyboardInterrupt:
+        return _report(agreed(RunError("interrupted before training started")), 130)
     except RuntimeError as e:
         failure = CollectiveError(line) if (line := runtime.collective_failure(e)) else None
         if failure is None:
             raise
         print(f"error: {failure}", file=sys.stderr, flush=True)
         os._exit(1)  # no teardown: it would wait on the dead peer again
+
+
+def _report(error: Exception, code: int) -> int:
+    if not getattr(error, "agreed", False) or int(os.environ.get("RANK", "0")) == 0:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+    return code
 
 
 if __name__ == "__main__":

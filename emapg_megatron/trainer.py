@@ -135,6 +135,8 @@ class Trainer:
         self.padding_fraction = 0.0  # of the rollout batch as the passes compute it, logged per step
         self.dp_token_imbalance = 1.0  # of the rollout batch over DP ranks, logged per step
         self.monitor_sequences = monitor_sequences
+        self.prompt_texts: list[str] = []  # this DP rank's prompts of the last step
+        self.samples: list[tuple[str, str, float]] = []  # its (prompt, response, reward) per sequence
 
     # --- checkpoint state ----------------------------------------------------------------
     def sharded_state_dict(self, *, is_loading: bool = False) -> dict:
@@ -189,7 +191,8 @@ class Trainer:
         rows = self.data.rows_for_step(iteration, self.cfg.rollout_batch_size)
         mine = self.local_prompt_indices()
         local_rows = [rows[i] for i in mine]
-        prompts = [encode_text(self.tokenizer, self.task.prompt(r, self.tokenizer)) for r in local_rows]
+        self.prompt_texts = [self.task.prompt(r, self.tokenizer) for r in local_rows]
+        prompts = [encode_text(self.tokenizer, text) for text in self.prompt_texts]
         n = self.cfg.num_samples
         seq_rows = [r for r in local_rows for _ in range(n)]
         seq_index = [i * n + k for i in mine for k in range(n)]
@@ -305,6 +308,8 @@ class Trainer:
         rollout, rows, texts = self.rollout(iteration)
         t_rollout = time.monotonic()
         rewards = self.score(texts, rows)
+        self.samples = list(zip([p for p in self.prompt_texts for _ in range(self.cfg.num_samples)],
+                                texts, rewards.tolist()))
         all_rewards = self.gather_over_dp(rewards)  # rank-major: sequence seq_pos at seq_pos
         batch = self.no_grad_passes(self.sequences(rollout, rewards))
         batch["advantages"] = self.advantages(batch, all_rewards)
@@ -383,6 +388,9 @@ class Trainer:
             # in fp64: exact for float32 rewards, so independent of the DP gather order
             "reward_mean": float(rewards.double().mean()),
             "reward_std": float(rewards.double().std()),
+            # groups whose samples all got one reward: no advantage, so no policy gradient from them
+            "zero_std_group_frac": float((rewards.view(-1, self.cfg.num_samples).std(dim=1) == 0)
+                                         .double().mean()),
             "kl": g["kl"] / tokens,
             "entropy": g["entropy"] / tokens,
             "clip_frac": g["clip_frac"] / tokens,

@@ -39,7 +39,46 @@ def test_tensorboard_holds_every_logged_step_before_close(tmp_path):
     log = MetricsLogger(str(tmp_path), total_steps=3)
     for step in (1, 2):
         log.log(step, {"reward_mean": 0.5 * step})
-    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events = EventAccumulator(log.tb_dir)  # this run's folder
     events.Reload()
     assert [e.value for e in events.Scalars("reward_mean")] == [0.5, 1.0]
     log.close()
+
+
+def test_each_run_gets_its_own_tensorboard_folder(tmp_path):
+    first = MetricsLogger(str(tmp_path), total_steps=4)
+    first.log(1, {"kl": 0.1})
+    first.close()
+    resumed = MetricsLogger(str(tmp_path), total_steps=4, start_step=1)
+    resumed.log(2, {"kl": 0.2})
+    resumed.close()
+    runs = sorted(p.name for p in (tmp_path / "tensorboard").iterdir())
+    assert len(runs) == 2 and runs[1].endswith("-from-step-1") and "-from-step" not in runs[0]
+
+
+def test_wandb_logs_offline_and_rollouts_are_dumped(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    log = MetricsLogger(str(tmp_path), total_steps=2, wandb_project="emapg-test", wandb_name="t",
+                        run_config={"lr": 1e-6})
+    log.log(1, {"reward_mean": 0.5})
+    log.dump_rollouts(1, [("3+4=", "7", 1.0), ("2+2=", "5", 0.0)])
+    log.close()
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
+    dumped = [json.loads(x) for x in (tmp_path / "rollouts.jsonl").read_text().splitlines()]
+    assert dumped == [{"step": 1, "prompt": "3+4=", "response": "7", "reward": 1.0},
+                      {"step": 1, "prompt": "2+2=", "response": "5", "reward": 0.0}]
+
+
+def test_wandb_missing_is_one_line_before_any_work(monkeypatch):
+    import importlib.util
+
+    from emapg_megatron.errors import ConfigError
+    from emapg_megatron.training.config import LogConfig
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"--wandb-project needs wandb, which is not installed"):
+        LogConfig(wandb_project="p").validate()

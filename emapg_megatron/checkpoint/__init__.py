@@ -6,6 +6,7 @@ The trainer's checkpoints:
   guard, optimizer-state quirks); the EMA's part of the state is ``anchor/checkpoint.py``
 * :mod:`.safe_load`  - reading a checkpoint never runs code from it
 * :mod:`.files`      - directories and files that appear whole or not at all
+* :mod:`.paths`      - where a run's checkpoints lie (``iter_N`` directories, the tracker)
 
 Conversion, with one mapping table:
 
@@ -21,24 +22,20 @@ Conversion, with one mapping table:
 See ``docs/checkpoints.md``.
 """
 
-from .convert import (
-    METADATA,
-    checkpoint_metadata,
-    checkpoint_model_config,
-    hf_to_mcore,
-    load_mcore,
-    mcore_to_hf,
-    read_checkpoint_metadata,
-    save_mcore,
-)
-from .files import atomic_dir
-from .hf_config import hf_config_from_model, model_config_from_hf, read_hf_config
-from .hf_mapping import RULES, HFMapping
-from .weights import export_hf_buckets, export_hf_weights, load_hf_weights
+import importlib
 
-__all__ = [
-    "METADATA", "RULES", "HFMapping", "atomic_dir", "checkpoint_metadata", "checkpoint_model_config",
-    "export_hf_buckets", "export_hf_weights", "hf_config_from_model", "hf_to_mcore", "load_hf_weights",
-    "load_mcore", "mcore_to_hf", "model_config_from_hf", "read_checkpoint_metadata", "read_hf_config",
-    "save_mcore",
-]
+# Loaded on first use: the light modules (paths, files) must not pull in Megatron.
+_LAZY = {"METADATA": "convert", "checkpoint_metadata": "convert", "checkpoint_model_config": "convert",
+         "hf_to_mcore": "convert", "load_mcore": "convert", "mcore_to_hf": "convert",
+         "read_checkpoint_metadata": "convert", "save_mcore": "convert", "atomic_dir": "files",
+         "hf_config_from_model": "hf_config", "model_config_from_hf": "hf_config",
+         "read_hf_config": "hf_config", "RULES": "hf_mapping", "HFMapping": "hf_mapping",
+         "export_hf_buckets": "weights", "export_hf_weights": "weights", "load_hf_weights": "weights"}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -33,6 +33,7 @@ from emapg_megatron.checkpoint.files import (
     temp_dir_for,
 )
 from emapg_megatron.checkpoint.hf_config import (
+    ARCHITECTURES,
     check_same_architecture,
     hf_config_from_model,
     hf_dtype,
@@ -45,7 +46,9 @@ from emapg_megatron.checkpoint.hf_io import (
     copy_tokenizer_files,
 )
 from emapg_megatron.checkpoint.hf_mapping import HFMapping
+from emapg_megatron.checkpoint.paths import TRACKER, iteration_dir
 from emapg_megatron.checkpoint.safe_load import load_verified
+from emapg_megatron.checkpoint.training import latest_iteration
 from emapg_megatron.checkpoint.weights import (
     export_hf_weights,
     high_precision,
@@ -79,6 +82,15 @@ def checkpoint_metadata(cfg: ModelConfig, arch: str, dtype: str, *, tp: int, pp:
     """What :data:`METADATA` records so a checkpoint loads without the HF directory."""
     return {"format": FORMAT, "architecture": arch, "model_config": cfg.to_dict(), "dtype": dtype,
             "saved_tp": tp, "saved_pp": pp, "hf_config": hf_config}
+
+
+def architecture_for(cfg: ModelConfig) -> str | None:
+    """The HF architecture that computes what ``cfg`` (a model built from flags) computes: the
+    one whose q/k/v bias and q/k layernorm match; None if none does."""
+    for arch, (_, qkv_bias, qk_norm) in ARCHITECTURES.items():
+        if (qkv_bias, qk_norm) == (cfg.add_qkv_bias, cfg.qk_layernorm):
+            return arch
+    return None
 
 
 def read_checkpoint_metadata(ckpt_dir: str | Path) -> dict:
@@ -138,6 +150,19 @@ def load_mcore(model_chunks, ckpt_dir: str | Path) -> None:
     loaded = load_verified(sharded, str(ckpt_dir))  # nothing in the checkpoint may run
     for key, chunk in zip(sharded, model_chunks):
         unwrap(chunk).load_state_dict(loaded[key])
+
+
+def training_step_dir(load: str | Path) -> str:
+    """A trainer ``--save`` directory's latest ``iter_N`` (read from its tracker), else ``load``."""
+    if not (Path(load) / TRACKER).is_file():
+        return str(load)
+    return iteration_dir(str(load), latest_iteration(str(load)))
+
+
+def _recorded_hf_dir(meta: dict) -> str | None:
+    """The --load-hf directory of the training run that wrote the checkpoint, if it still exists."""
+    hf_dir = meta.get("hf_dir")
+    return hf_dir if hf_dir and (Path(hf_dir) / "config.json").is_file() else None
 
 
 # --- single-process conversion ------------------------------------------------------------
@@ -211,9 +236,13 @@ def hf_to_mcore(hf_dir: str | Path, out: str | Path, *, tp: int = 1, pp: int = 1
 def mcore_to_hf(load: str | Path, out: str | Path, *, hf_template: str | Path | None = None,
                 max_shard_bytes: int = 5 * 1024**3, overwrite: bool = False,
                 progress: bool = True) -> dict:
-    """Convert a checkpoint written by :func:`hf_to_mcore` / :func:`save_mcore` back to HF:
-    ``config.json``, sharded safetensors with ``model.safetensors.index.json`` and, from
-    ``hf_template``, the tokenizer and generation files. Returns a summary dict."""
+    """Convert a checkpoint back to HF: ``config.json``, sharded safetensors with
+    ``model.safetensors.index.json``, and the tokenizer and generation files of ``hf_template``
+    (else of the --load-hf directory a training run recorded, when it is still there).
+
+    ``load``: a checkpoint of :func:`hf_to_mcore` / :func:`save_mcore`, a trainer's ``--save``
+    directory (its latest step) or one of its ``iter_N`` directories. Returns a summary dict."""
+    load = training_step_dir(load)
     meta = read_checkpoint_metadata(load)
     cfg, arch, dtype = ModelConfig.from_dict(meta["model_config"]), meta["architecture"], meta["dtype"]
     base = meta.get("hf_config")
@@ -233,6 +262,7 @@ def mcore_to_hf(load: str | Path, out: str | Path, *, hf_template: str | Path | 
                 writer.add(name, tensor)
             files = writer.close()
         (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")
-        copied = copy_tokenizer_files(hf_template, tmp) if hf_template is not None else []
+        tokenizer_dir = hf_template or _recorded_hf_dir(meta)
+        copied = copy_tokenizer_files(tokenizer_dir, tmp) if tokenizer_dir is not None else []
     return {"out": str(out), "architecture": arch, "dtype": dtype, "bytes": writer.total_bytes,
             "shards": files, "tokenizer_files": copied}

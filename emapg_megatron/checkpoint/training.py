@@ -29,6 +29,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
 from emapg_megatron.checkpoint.files import atomic_write_text, fsync_dir, replace_dir
+from emapg_megatron.checkpoint.paths import TRACKER, iteration_dir  # noqa: F401  (re-exported)
 from emapg_megatron.checkpoint.safe_load import (
     verify_checkpoint_metadata,
     verify_loaded_extra_state,
@@ -38,12 +39,7 @@ from emapg_megatron.models.gpt import global_param_name, unwrap
 from emapg_megatron.training.collectives import on_rank0
 from emapg_megatron.training.model_and_optimizer import zero_grads
 
-TRACKER = "latest_checkpointed_iteration.txt"
 LAYOUT_KEY = "checkpoint_layout"  # in ``common``: how the checkpoint was saved
-
-
-def iteration_dir(root: str, iteration: int) -> str:
-    return os.path.join(root, f"iter_{iteration:07d}")
 
 
 def _rng_sharded_object():
@@ -52,26 +48,36 @@ def _rng_sharded_object():
     return ShardedObject("rng_state", state, (world,), (rank,), replica_id=0)
 
 
-def save(root: str, iteration: int, sharded_state_dict: dict, common: dict) -> str:
-    """Save ``sharded_state_dict`` (model/optimizer/ema ...) and ``common`` atomically."""
+def save(root: str, iteration: int, sharded_state_dict: dict, common: dict,
+         files: dict[str, str] | None = None) -> str:
+    """Save ``sharded_state_dict`` (model/optimizer/ema ...), ``common`` and the text ``files``
+    (name -> content, e.g. the converter's model config) atomically."""
     final = iteration_dir(root, iteration)
     tmp = final + ".tmp"
-    if dist.get_rank() == 0:
-        os.makedirs(root, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    dist.barrier()
+    failed = f"--save {root}: could not write step {iteration} (the previous checkpoint is kept)"
+
+    def make_tmp():
+        try:
+            os.makedirs(root, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        except OSError as e:
+            raise CheckpointWriteError(f"{failed}: {e}") from e
+
+    on_rank0(make_tmp)  # every rank raises on a failure, none waits at a barrier
     common = dict(common, **{LAYOUT_KEY: current_layout(sharded_state_dict)})
     state = dict(sharded_state_dict, rng_state=_rng_sharded_object(), common=common)
     try:
         dist_checkpointing.save(state, tmp)
     except BaseException as e:  # noqa: BLE001 - CheckpointException derives from BaseException
-        _reraise_in_one_line(e, f"--save {root}: could not write step {iteration} (the previous "
-                                "checkpoint is kept)", CheckpointWriteError)
+        _reraise_in_one_line(e, failed, CheckpointWriteError)
     dist.barrier()
 
     def install():
         try:
+            for name, text in (files or {}).items():
+                with open(os.path.join(tmp, name), "w", encoding="utf-8") as f:
+                    f.write(text)
             _install(root, tmp, final, iteration)
         except OSError as e:
             raise CheckpointWriteError(f"could not move checkpoint {tmp} into place: {e}") from e

@@ -32,7 +32,7 @@ def on_rank0(fn):
     if dist.get_world_size() > 1:
         dist.broadcast_object_list(box, src=0)  # our own values, not user data
     if box[1] is not None:
-        raise _SHARED_ERRORS.get(box[1], errors.RunError)(box[2])
+        raise errors.agreed(_SHARED_ERRORS.get(box[1], errors.RunError)(box[2]))
     return box[0]
 
 
@@ -81,6 +81,16 @@ def gather_at(values: torch.Tensor, positions: torch.Tensor, total: int, group) 
     full[positions.to(runtime.device())] = values.to(runtime.device())
     dist.all_reduce(full, group=group)
     return full
+
+
+def gather_objects_to_first(obj, group) -> list | None:
+    """Every rank's ``obj`` (our own, picklable) on ``group``'s first rank, in rank order; None
+    on the others."""
+    if dist.get_world_size(group) == 1:
+        return [obj]
+    out = [None] * dist.get_world_size(group) if dist.get_rank(group) == 0 else None
+    dist.gather_object(obj, out, dst=dist.get_global_rank(group, 0), group=group)
+    return out
 
 
 def reduce_max(value: float, group=None) -> float:

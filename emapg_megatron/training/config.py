@@ -3,7 +3,9 @@ loop, checkpoints and logs. Plain dataclasses (no Megatron import): the CLI chec
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -140,6 +142,9 @@ class CheckpointConfig:
     """Checkpoint directory to resume from."""
     save_interval: int = option(0, range=at_least(0))
     """Save every N steps (0: only at the end)."""
+    overwrite: bool = option(False)
+    """Start a fresh run (no --load) where an earlier one left its checkpoints (--save) or metrics
+    (--log-dir): those are deleted first. Without it, such a start is refused."""
 
     def due(self, iteration: int) -> bool:
         """Whether step ``iteration`` saves on the interval."""
@@ -149,9 +154,14 @@ class CheckpointConfig:
         check_fields(self)
 
 
+METRICS_FILE = "metrics.jsonl"
+CURVES_FILE = "curves.png"
+ROLLOUTS_FILE = "rollouts.jsonl"
+
+
 @dataclass
 class LogConfig:
-    """Metrics, curves and TensorBoard."""
+    """Metrics, curves, TensorBoard, W&B and rollout dumps."""
 
     log_dir: str = option("runs/emapg", path="output")
     """metrics.jsonl, curves.png and TensorBoard go here."""
@@ -159,6 +169,37 @@ class LogConfig:
     """TensorBoard directory (default: LOG_DIR/tensorboard)."""
     log_interval: int = option(1, range=at_least(1))
     """Print a progress line every N steps."""
+    rollout_dump_interval: int = option(0, range=at_least(0))
+    """Every N steps, append the step's prompts, responses and rewards (every sequence, all DP
+    ranks) to LOG_DIR/rollouts.jsonl, one JSON object per line; 0: off."""
+    wandb_project: str | None = option(None)
+    """Log the metrics to this Weights & Biases project as well (pip install
+    'emapg-megatron[wandb]'; WANDB_MODE=offline keeps the run on disk under LOG_DIR)."""
+    wandb_exp_name: str | None = option(None)
+    """The W&B run's name (default: W&B's)."""
+
+    @property
+    def metrics_path(self) -> str:
+        return os.path.join(self.log_dir, METRICS_FILE)
+
+    @property
+    def tensorboard_root(self) -> str:
+        """Where each run's TensorBoard folder goes (--tensorboard-dir, else LOG_DIR/tensorboard)."""
+        return self.tensorboard_dir or os.path.join(self.log_dir, "tensorboard")
+
+    def earlier_run_files(self) -> list[str]:
+        """What a run writes here that --overwrite deletes: the metrics, the curves, the default
+        TensorBoard folder (a --tensorboard-dir given may be shared and is kept)."""
+        own_tb = [] if self.tensorboard_dir else [self.tensorboard_root]
+        paths = [self.metrics_path, os.path.join(self.log_dir, CURVES_FILE),
+                 os.path.join(self.log_dir, ROLLOUTS_FILE), *own_tb]
+        return [p for p in paths if os.path.exists(p)]
+
+    def dumps_rollouts(self, step: int) -> bool:
+        return bool(self.rollout_dump_interval) and step % self.rollout_dump_interval == 0
 
     def validate(self) -> None:
         check_fields(self)
+        if self.wandb_project and importlib.util.find_spec("wandb") is None:
+            raise ConfigError("--wandb-project needs wandb, which is not installed: "
+                              "pip install 'emapg-megatron[wandb]'")

@@ -11,13 +11,16 @@ import os
 import signal
 import sys
 import time
+from dataclasses import dataclass, field
 
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
 
 from emapg_megatron.checkpoint import training as checkpointing
-from emapg_megatron.errors import SkippedStepsError
-from emapg_megatron.training.collectives import any_true
-from emapg_megatron.training.config import CheckpointConfig, LoopConfig
+from emapg_megatron.checkpoint.convert import METADATA
+from emapg_megatron.errors import SkippedStepsError, agreed
+from emapg_megatron.training.collectives import any_true, gather_objects_to_first
+from emapg_megatron.training.config import CheckpointConfig, LogConfig, LoopConfig
 from emapg_megatron.training.optimizer_step import check_weights
 
 
@@ -26,14 +29,28 @@ def log0(msg: str) -> None:
         print(msg, flush=True)
 
 
-def save(trainer, root: str, iteration: int, flags: dict | None = None) -> None:
-    """A checkpoint of step ``iteration`` under ``root``, never of non-finite or exploded weights;
-    it records the run's ``flags`` (what a resume compares)."""
+@dataclass
+class RunRecord:
+    """What each checkpoint of a run records besides the training state."""
+
+    flags: dict = field(default_factory=dict)
+    """The run's flags (``RunConfig.flags()``): a resume says which ones changed its trajectory."""
+    model: dict | None = None
+    """The converter's model metadata (``checkpoint.convert.METADATA``): a checkpoint exports to
+    HF on its own (``emapg-convert mcore-to-hf --load SAVE``)."""
+
+    def files(self) -> dict[str, str]:
+        return {METADATA: json.dumps(self.model, indent=2) + "\n"} if self.model else {}
+
+
+def save(trainer, root: str, iteration: int, record: RunRecord | None = None) -> None:
+    """A checkpoint of step ``iteration`` under ``root``, never of non-finite or exploded weights."""
+    record = record or RunRecord()
     check_weights(trainer.model_chunks, f"before saving step {iteration}")
     checkpointing.check_finite_before_save(trainer.model_chunks, trainer.anchor, iteration)
     common = {"iteration": iteration, **trainer.common_state_dict(),
-              "args": json.dumps(flags or {}, default=str)}
-    path = checkpointing.save(root, iteration, trainer.sharded_state_dict(), common)
+              "args": json.dumps(record.flags, default=str)}
+    path = checkpointing.save(root, iteration, trainer.sharded_state_dict(), common, record.files())
     log0(f"saved checkpoint {path}")
 
 
@@ -95,27 +112,44 @@ class StopFlag:
         return any_true(self.requested_at is not None)
 
 
+def gathered_samples(trainer) -> list:
+    """The step's ``(prompt, response, reward)`` of every DP rank, on global rank 0 (one
+    model-parallel rank per DP rank holds them: they are alike across the group)."""
+    if ps.get_tensor_model_parallel_rank() or ps.get_pipeline_model_parallel_rank():
+        return []
+    per_rank = gather_objects_to_first(trainer.samples, ps.get_data_parallel_group())
+    return [s for samples in per_rank or [] for s in samples]
+
+
 def run_steps(loop: LoopConfig, ckpt: CheckpointConfig, trainer, logger, start: int,
-              flags: dict | None = None) -> int:
-    """Steps ``start + 1 ..`` --train-iters, a checkpoint on the interval, at the end and on a
-    signal (recording the run's ``flags``); returns the last step run."""
+              record: RunRecord | None = None, log: LogConfig | None = None) -> int:
+    """Steps ``start + 1 ..`` --train-iters, a checkpoint (with ``record``) on the interval, at the
+    end and on a signal; returns the last step run."""
     stop = StopFlag()
-    iteration = start
+    iteration, zero_variance = start, False
     for iteration in range(start + 1, loop.train_iters + 1):
         metrics = trainer.step(iteration)
         logger.log(iteration, metrics)
+        if log is not None and log.dumps_rollouts(iteration):
+            logger.dump_rollouts(iteration, gathered_samples(trainer))
+        if metrics.get("zero_std_group_frac") == 1.0 and not zero_variance:
+            logger.warn(f"step {iteration}: every prompt's samples got the same reward, so every advantage "
+                        "is 0 and the step learns only from the KL and entropy terms (the task is too hard "
+                        "or too easy for the policy; more --num-samples-per-prompt or another data mix)")
+        zero_variance = metrics.get("zero_std_group_frac") == 1.0
         if trainer.skipped_steps > loop.max_skipped_steps:
-            raise SkippedStepsError(f"stopping: {trainer.skipped_steps} steps skipped for non-finite "
-                                    f"loss or gradients (--max-skipped-steps {loop.max_skipped_steps})")
+            raise agreed(SkippedStepsError(
+                f"stopping: {trainer.skipped_steps} steps skipped for non-finite loss or gradients "
+                f"(--max-skipped-steps {loop.max_skipped_steps})"))
         stopping = stop.agreed()
         if ckpt.save and (stopping or ckpt.due(iteration)):
-            save(trainer, ckpt.save, iteration, flags)
+            save(trainer, ckpt.save, iteration, record)
         if stopping:
             log0(f"signal received: stopped after step {iteration}")
             return iteration
     ran = iteration > start  # a resume at --train-iters runs nothing: its checkpoint is the latest
     if ran and ckpt.save and not ckpt.due(iteration):
-        save(trainer, ckpt.save, iteration, flags)
+        save(trainer, ckpt.save, iteration, record)
     return iteration
 
 

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from emapg_megatron.errors import ConfigError, WeightsError
+from emapg_megatron.errors import ConfigError, WeightsError, agreed
 from emapg_megatron.training.collectives import all_true, reduce_max
 
 #: Weights beyond this magnitude have exploded: a transformer's weights are O(1), and activations
@@ -63,11 +63,11 @@ def check_weights(model_chunks, when: str) -> None:
     """Stop with one line when the weights are non-finite or exploded (before the EMA and saving)."""
     problem = weights_problem(model_chunks)
     if problem:
-        raise WeightsError(f"stopping {when}: the weights are {problem}; no checkpoint written and the "
-                          "EMA anchor not updated from them (lower --lr, or set --clip-grad)")
+        raise agreed(WeightsError(f"stopping {when}: the weights are {problem}; no checkpoint written "
+                                  "and the EMA anchor not updated from them (lower --lr, or set --clip-grad)"))
 
 
 def check_loaded_weights(model_chunks, source: str) -> None:
     """Refuse initial weights that are non-finite (a corrupt or poisoned checkpoint)."""
     if weights_problem(model_chunks, exploded_limit=math.inf):
-        raise ConfigError(f"{source} holds non-finite weights: refusing to train from it")
+        raise agreed(ConfigError(f"{source} holds non-finite weights: refusing to train from it"))

@@ -29,8 +29,9 @@ emapg_train() {  # emapg_train TRAINER_FLAGS...
     export CUDA_DEVICE_MAX_CONNECTIONS=1
     # vLLM's sleep mode allocates through its own CUDA memory pool, which does not support
     # expandable segments: never set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True here.
-    exec torchrun --nnodes "$NNODES" --nproc-per-node "$NPROC" --node-rank "$NODE_RANK" \
-        --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" -m emapg_megatron.train "$@"
+    # emapg-train: every flag checked in one process, then torchrun starts the ranks.
+    exec "$PYTHON" -m emapg_megatron.launch --nnodes "$NNODES" --nproc-per-node "$NPROC" \
+        --node-rank "$NODE_RANK" --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" "$@"
 }
 
 emapg_convert_to_hf() {  # emapg_convert_to_hf CKPT OUT TEMPLATE: trainer checkpoint -> HF dir

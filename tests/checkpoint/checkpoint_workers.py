@@ -215,3 +215,22 @@ def fp8_job(hf_dir: str, root: str) -> dict:
         out[label]["ckpt_dtypes"] = sorted({str(t.dtype) for t in
                                             dist_checkpointing.load_tensors_metadata(str(ckpt)).values()})
     return out
+
+
+def resumed_vs_exported(argv: list, ckpt: str, export: str) -> dict:
+    """The trained weights as the trainer resumes them from ``ckpt`` (its production path, at
+    this job's layout), against the same model with the HF export's weights loaded into it
+    (the HF import path): ``{global name: bit-equal}``."""
+    from emapg_megatron import build
+    from emapg_megatron.checkpoint import load_hf_weights
+    from emapg_megatron.models.gpt import global_param_name, unwrap
+    from emapg_megatron.training import loop
+
+    inputs = build.prepare(argv)
+    trainer = build.build_trainer(inputs)
+    loop.resume(ckpt, trainer)
+    gpt = unwrap(trainer.model_chunks[0])
+    trained = {global_param_name(gpt, n): p.detach().clone() for n, p in gpt.named_parameters()}
+    load_hf_weights(trainer.model_chunks, inputs.model_cfg, export, progress=False)
+    return {global_param_name(gpt, n): torch.equal(trained[global_param_name(gpt, n)], p.detach())
+            for n, p in gpt.named_parameters()}

@@ -139,3 +139,13 @@ def test_a_failed_write_is_one_line_and_names_no_new_step(tmp_path):
     (err,) = run_distributed(_save_that_fails, 1, args=(str(tmp_path),))
     assert err == f"--save {tmp_path}: could not write step 1 (the previous checkpoint is kept): disk full"
     assert not (tmp_path / checkpointing.TRACKER).exists()
+
+
+def test_a_step_without_reward_variance_is_said_once_per_streak_and_rollouts_are_dumped():
+    from trainer_workers import loop_with_fixed_metrics
+
+    from emapg_megatron.multiprocess import run_distributed
+
+    (out,) = run_distributed(loop_with_fixed_metrics, 1, args=([0.5, 1.0, 1.0, 0.0, 1.0],))
+    assert out["warned_at"] == [2, 5]  # the first step of each streak where every group had one reward
+    assert out["dumps"] == [(2, [("p2", "r2", 1.0)]), (4, [("p4", "r4", 1.0)])]

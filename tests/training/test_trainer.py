@@ -155,3 +155,17 @@ def test_a_dead_peer_ends_the_run_with_one_line(init_ckpt, tmp_path):
     out, _ = proc.communicate(timeout=180)  # a hang guard: the survivor must not wait forever
     assert proc.returncode != 0
     assert "error: a collective failed" in out or "error: stopped by signal" in out, out
+
+
+def test_rollout_dumps_hold_every_sequence_of_every_dp_rank(tmp_path):
+    """--rollout-dump-interval at DP=2: each dumped step has all B x N sequences, their rewards
+    averaging to the step's logged reward_mean; steps off the interval are not dumped."""
+    import json
+
+    r = torchrun(2, ["--train-iters", "3", "--rollout-dump-interval", "2"], tmp_path)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    dumped = [json.loads(line) for line in (tmp_path / "rollouts.jsonl").read_text().splitlines()]
+    assert {d["step"] for d in dumped} == {2} and len(dumped) == 4 * 4
+    step2 = metrics(tmp_path)[1]
+    assert abs(sum(d["reward"] for d in dumped) / len(dumped) - step2["reward_mean"]) < 1e-6
+    assert all(isinstance(d["prompt"], str) and isinstance(d["response"], str) for d in dumped)

@@ -80,3 +80,36 @@ def training_checkpoint_job(root: str) -> dict:
         out["switch"] = str(e)
     out["distributed"] = checkpointing.current_layout(dtrainer.sharded_state_dict(is_loading=True))
     return out
+
+
+def loop_with_fixed_metrics(fracs: list) -> dict:
+    """``training.loop.run_steps`` over a stand-in trainer whose steps report the given
+    ``zero_std_group_frac`` and one sample each, with rollout dumps every 2 steps: the warnings
+    and dumps the loop makes."""
+    from emapg_megatron.training import loop
+    from emapg_megatron.training.config import CheckpointConfig, LogConfig, LoopConfig
+
+    class Trainer:
+        skipped_steps = 0
+        samples = []
+
+        def step(self, it):
+            self.samples = [(f"p{it}", f"r{it}", 1.0)]
+            return {"zero_std_group_frac": fracs[it - 1]}
+
+    class Logger:
+        warnings, dumps = [], []
+
+        def log(self, step, metrics):
+            pass
+
+        def warn(self, message):
+            self.warnings.append(message)
+
+        def dump_rollouts(self, step, samples):
+            self.dumps.append((step, samples))
+
+    logger = Logger()
+    loop.run_steps(LoopConfig(train_iters=len(fracs)), CheckpointConfig(), Trainer(), logger, 0,
+                   log=LogConfig(rollout_dump_interval=2))
+    return {"warned_at": [int(w.split(":")[0].split()[1]) for w in logger.warnings], "dumps": logger.dumps}

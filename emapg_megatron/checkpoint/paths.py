@@ -1,0 +1,33 @@
+"""Where a training run's checkpoints lie under its ``--save`` directory (Megatron-LM's layout)::
+
+    SAVE/latest_checkpointed_iteration.txt   the tracker: the step of the latest whole checkpoint
+    SAVE/iter_0000020/                       one torch_dist checkpoint per saved step
+
+No Megatron here: the command line checks a ``--save`` directory before any work.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+TRACKER = "latest_checkpointed_iteration.txt"
+_STEP_DIR = re.compile(r"iter_\d{7}")
+_RUN_FILE = re.compile(r"\.?iter_\d{7}(\.tmp|\.old-\d+)?|latest_checkpointed_iteration\.txt(\.tmp)?")
+"""What a save writes, also half-done: a step's directory being written (``.tmp``) or set aside."""
+
+
+def iteration_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def holds_checkpoint(root: str | None) -> bool:
+    """Whether ``root`` holds a tracker or any ``iter_N`` directory (a run's checkpoints)."""
+    if not root or not os.path.isdir(root):
+        return False
+    return any(name == TRACKER or _STEP_DIR.fullmatch(name) for name in os.listdir(root))
+
+
+def run_files(root: str) -> list[str]:
+    """The tracker and the ``iter_N`` directories under ``root`` (what --overwrite deletes)."""
+    return sorted(os.path.join(root, n) for n in os.listdir(root) if _RUN_FILE.fullmatch(n))

@@ -1,0 +1,66 @@
+"""tools/install_cpu.sh and tools/python.sh: which interpreter, which torch index, visible steps.
+
+A fake interpreter (a shell script that records its arguments) stands in for python: no network,
+no install."""
+
+import os
+import stat
+import subprocess
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+FAKE = """#!/usr/bin/env bash
+echo "$*" >> "{log}"
+case "$*" in
+  *sys.prefix*) echo "{prefix}" ;;
+  *sys.executable*) echo "{prefix}/bin/python" ;;
+  *urlopen*) exit {reachable} ;;
+  *"import torch, sys"*) exit 1 ;;
+  *"import emapg_megatron"*) exit 1 ;;
+esac
+exit 0
+"""
+
+
+def _fake_python(tmp_path, reachable: bool) -> tuple[str, str]:
+    log, prefix = tmp_path / "calls.log", tmp_path / "prefix"
+    prefix.mkdir()
+    py = tmp_path / "python"
+    py.write_text(FAKE.format(log=log, prefix=prefix, reachable=0 if reachable else 1))
+    py.chmod(py.stat().st_mode | stat.S_IEXEC)
+    return str(py), str(log)
+
+
+def _install(env: dict) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in {**os.environ, **env}.items() if k != "VIRTUAL_ENV"}
+    return subprocess.run(["bash", "tools/install_cpu.sh"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+@pytest.mark.parametrize("reachable", [True, False])
+def test_torch_comes_from_the_cpu_index_when_it_is_reachable(tmp_path, reachable):
+    py, log = _fake_python(tmp_path, reachable)
+    r = _install({"PYTHON": py, "CPU_INDEX": "https://cpu.example/whl"})
+    assert r.returncode == 0, r.stderr
+    torch_install = [c for c in open(log).read().splitlines() if c.startswith("-m pip install -q torch==")]
+    assert len(torch_install) == 1
+    assert ("--index-url https://cpu.example/whl" in torch_install[0]) == reachable
+    assert "install_cpu: torch" in r.stderr and "install_cpu: done in" in r.stderr  # visible steps
+    # idempotent: the stamp in the interpreter's prefix says what is installed
+    assert (tmp_path / "prefix" / ".emapg-install-stamp").read_text().strip().endswith("torch==2.13.0")
+
+
+def test_the_interpreter_is_python_or_the_active_venv_or_dot_venv(tmp_path):
+    def which(**env):
+        env = {**{k: v for k, v in os.environ.items() if k not in ("PYTHON", "VIRTUAL_ENV")}, **env}
+        return subprocess.run(["bash", "tools/python.sh", *env.pop("_args", [])], cwd=ROOT, env=env,
+                              capture_output=True, text=True).stdout.strip()
+
+    assert which(PYTHON="/opt/py/bin/python3", VIRTUAL_ENV="/v") == "/opt/py/bin/python3"
+    assert which(VIRTUAL_ENV="/v") == "/v/bin/python"
+    assert which(_args=["--for-install"]) == os.path.join(ROOT, ".venv", "bin", "python")
+    expected = os.path.join(ROOT, ".venv", "bin", "python") if os.path.exists(
+        os.path.join(ROOT, ".venv", "bin", "python")) else "python3"
+    assert which() == expected

@@ -47,7 +47,7 @@ from emapg_megatron.checkpoint.hf_io import (
 )
 from emapg_megatron.checkpoint.hf_mapping import HFMapping
 from emapg_megatron.checkpoint.paths import TRACKER, iteration_dir
-from emapg_megatron.checkpoint.safe_load import load_verified
+from emapg_megatron.checkpoint.safe_load import load_verified, read_json
 from emapg_megatron.checkpoint.training import latest_iteration
 from emapg_megatron.checkpoint.weights import (
     export_hf_weights,
@@ -97,7 +97,9 @@ def read_checkpoint_metadata(ckpt_dir: str | Path) -> dict:
     path = Path(ckpt_dir) / METADATA
     if not path.is_file():
         raise ConfigError(f"{ckpt_dir} has no {METADATA}: not a checkpoint written by emapg-megatron")
-    meta = json.loads(path.read_text())
+    meta = read_json(str(path), 1 << 20, "corrupt checkpoint metadata", root=str(ckpt_dir))
+    if not isinstance(meta, dict) or not isinstance(meta.get("model_config"), dict):
+        raise ConfigError(f"corrupt checkpoint metadata {path}: not an object with a model_config")
     if meta.get("format") != FORMAT:
         raise ConfigError(f"{path}: unknown format {meta.get('format')!r} (expected {FORMAT})")
     return meta

@@ -3,13 +3,17 @@
 Anything the Megatron model builder cannot reproduce exactly (RoPE scaling, sliding windows,
 attention biases beyond Qwen2's q/k/v, non-SiLU MLPs) is rejected with a one-line
 :class:`ConfigError` rather than converted into a model that silently computes something else.
+So is a config.json that is not a JSON object, or whose architecture entries have the wrong type
+or lie outside :data:`_INT_LIMITS` (:func:`check_hf_config`), before anything is sized by them.
 """
 
 from __future__ import annotations
 
-import json
+import math
+import os
 from pathlib import Path
 
+from emapg_megatron.checkpoint.safe_load import read_json, shown
 from emapg_megatron.errors import ConfigError
 from emapg_megatron.models.config import ModelConfig
 
@@ -27,19 +31,75 @@ ARCH_FIELDS = ("vocab_size", "hidden_size", "ffn_hidden_size", "num_layers", "nu
 
 _DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
+MAX_CONFIG_BYTES = 16 << 20  # a config.json is a few KB
+
+# Upper bounds of the architecture's integers, each far above released models (Llama 3.1 405B:
+# 126 layers, 128 heads, width 16384, FFN 53248; vocabularies up to ~256k) and low enough that a
+# hostile config.json cannot make the converter or the trainer build per-layer tables or
+# embeddings without end. name: (required, upper bound)
+_INT_LIMITS = {
+    "vocab_size": (True, 1 << 21),
+    "hidden_size": (True, 1 << 16),
+    "intermediate_size": (True, 1 << 18),
+    "num_hidden_layers": (True, 1024),
+    "num_attention_heads": (True, 1024),
+    "num_key_value_heads": (False, 1024),
+    "head_dim": (False, 4096),
+    "max_position_embeddings": (False, 1 << 24),
+}
+# Entries read as positive numbers, at the top level and in rope_parameters / rope_scaling.
+_POSITIVE = ("rope_theta", "rms_norm_eps", "factor", "low_freq_factor", "high_freq_factor",
+             "original_max_position_embeddings")
+_TYPES = {"architectures": list, "rope_parameters": dict, "rope_scaling": dict,
+          "layer_types": list, "tie_word_embeddings": bool}
+
 
 def read_hf_config(hf_dir: str | Path) -> dict:
+    """``hf_dir``'s config.json, checked (:func:`check_hf_config`); ConfigError naming it."""
     path = Path(hf_dir) / "config.json"
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise ConfigError(f"{hf_dir} has no config.json (is it a Hugging Face model directory?)")
-    return json.loads(path.read_text())
+    hf = read_json(str(path), MAX_CONFIG_BYTES, "invalid JSON in")
+    if not isinstance(hf, dict):
+        raise ConfigError(f"{path} holds a JSON {type(hf).__name__}, not an object")
+    check_hf_config(hf, str(path))
+    return hf
+
+
+def _is_number(value) -> bool:
+    return type(value) in (int, float) and math.isfinite(value)
+
+
+def check_hf_config(hf: dict, where: str = "config.json") -> None:
+    """Refuse, naming ``where``, a config whose entries :func:`model_config_from_hf` reads have
+    the wrong type or lie outside :data:`_INT_LIMITS` / :data:`_POSITIVE`."""
+    for name, (required, upper) in _INT_LIMITS.items():
+        value = hf.get(name)
+        if value is None and required:
+            raise ConfigError(f"{where}: no {name} (an integer from 1 to {upper})")
+        if value is not None and (type(value) is not int or not 1 <= value <= upper):
+            raise ConfigError(f"{where}: {name} must be an integer from 1 to {upper} "
+                              f"(got {shown(value)})")
+    for name, kind in _TYPES.items():
+        if hf.get(name) is not None and not isinstance(hf[name], kind):
+            raise ConfigError(f"{where}: {name} must be a {kind.__name__} (got {shown(hf[name])})")
+    for prefix, entries in (("", hf), ("rope_parameters.", hf.get("rope_parameters") or {}),
+                            ("rope_scaling.", hf.get("rope_scaling") or {})):
+        for name in _POSITIVE:
+            value = entries.get(name)
+            if value is not None and not (_is_number(value) and value > 0):
+                raise ConfigError(f"{where}: {prefix}{name} must be a positive number "
+                                  f"(got {shown(value)})")
+    std = hf.get("initializer_range")
+    if std is not None and not (_is_number(std) and std >= 0):
+        raise ConfigError(f"{where}: initializer_range must be a number >= 0 (got {shown(std)})")
 
 
 def hf_architecture(hf: dict) -> str:
     archs = hf.get("architectures") or []
-    if len(archs) != 1 or archs[0] not in ARCHITECTURES:
+    if len(archs) != 1 or not isinstance(archs[0], str) or archs[0] not in ARCHITECTURES:
         raise ConfigError(
-            f"unsupported architecture {archs or hf.get('model_type')!r}: "
+            f"unsupported architecture {shown(archs or hf.get('model_type'))}: "
             f"supported are {', '.join(ARCHITECTURES)}"
         )
     return archs[0]
@@ -47,7 +107,8 @@ def hf_architecture(hf: dict) -> str:
 
 def hf_dtype(hf: dict) -> str | None:
     """The checkpoint's dtype as ``fp32`` / ``bf16`` / ``fp16`` (None when not recorded)."""
-    return _DTYPES.get(hf.get("dtype") or hf.get("torch_dtype"))
+    name = hf.get("dtype") or hf.get("torch_dtype")
+    return _DTYPES.get(name) if isinstance(name, str) else None
 
 
 # The llama3 RoPE scaling Megatron reproduces: only the factor is configurable there.
@@ -58,7 +119,7 @@ _MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
 def _rope(hf: dict) -> tuple[float, str]:
     params = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling") or {}
-    theta = hf.get("rope_theta", params.get("rope_theta", 10000.0))
+    theta = hf.get("rope_theta") or params.get("rope_theta") or 10000.0
     kind = scaling.get("rope_type", scaling.get("type")) or params.get("rope_type") or "default"
     return float(theta), kind
 
@@ -69,6 +130,8 @@ def _rope_scaling(hf: dict) -> dict:
 
 def _llama3_rope_problem(hf: dict) -> str | None:
     scaling = _rope_scaling(hf)
+    if scaling.get("factor") is None:
+        return "llama3 rope scaling without a factor"
     off = {k: scaling.get(k) for k, v in _MEGATRON_LLAMA3_ROPE.items() if float(scaling.get(k, -1)) != v}
     return f"llama3 rope scaling with {off} (Megatron fixes {_MEGATRON_LLAMA3_ROPE})" if off else None
 
@@ -77,7 +140,7 @@ def _reject_unsupported(hf: dict, arch: str) -> None:
     _, qkv_bias, _ = ARCHITECTURES[arch]
     problems = []
     if hf.get("hidden_act", "silu") != "silu":
-        problems.append(f"hidden_act={hf['hidden_act']!r} (only silu)")
+        problems.append(f"hidden_act={shown(hf['hidden_act'])} (only silu)")
     if hf.get("mlp_bias"):
         problems.append("mlp_bias=true")
     if hf.get("attention_bias") and not qkv_bias:
@@ -88,7 +151,7 @@ def _reject_unsupported(hf: dict, arch: str) -> None:
         if problem:
             problems.append(problem)
     elif rope_kind != "default":
-        problems.append(f"rope scaling {rope_kind!r}")
+        problems.append(f"rope scaling {shown(rope_kind)}")
     if hf.get("use_sliding_window"):
         problems.append("use_sliding_window=true")
     if any(t != "full_attention" for t in hf.get("layer_types") or []):
@@ -99,7 +162,9 @@ def _reject_unsupported(hf: dict, arch: str) -> None:
 
 
 def model_config_from_hf(hf: dict, *, make_vocab_size_divisible_by: int = 128) -> tuple[ModelConfig, str]:
-    """``(ModelConfig, architecture)`` for an HF config dict; :class:`ConfigError` if unsupported."""
+    """``(ModelConfig, architecture)`` for an HF config dict; :class:`ConfigError` if unsupported
+    or malformed (:func:`check_hf_config`; :func:`read_hf_config` checked it naming the file)."""
+    check_hf_config(hf)
     arch = hf_architecture(hf)
     _reject_unsupported(hf, arch)
     _, qkv_bias, qk_norm = ARCHITECTURES[arch]
@@ -115,15 +180,15 @@ def model_config_from_hf(hf: dict, *, make_vocab_size_divisible_by: int = 128) -
         num_attention_heads=heads,
         num_query_groups=groups if groups != heads else None,
         kv_channels=head_dim if head_dim and head_dim * heads != hidden else None,
-        max_position_embeddings=hf.get("max_position_embeddings", 4096),
+        max_position_embeddings=hf.get("max_position_embeddings") or 4096,
         rotary_base=theta,
         rope_scaling_factor=float(_rope_scaling(hf)["factor"]) if rope_kind == "llama3" else None,
-        norm_epsilon=hf.get("rms_norm_eps", 1e-6),
+        norm_epsilon=hf.get("rms_norm_eps") or 1e-6,
         add_qkv_bias=qkv_bias,
         qk_layernorm=qk_norm,
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         make_vocab_size_divisible_by=make_vocab_size_divisible_by,
-        init_method_std=hf.get("initializer_range", 0.02),
+        init_method_std=0.02 if hf.get("initializer_range") is None else hf["initializer_range"],
     )
     return cfg, arch
 

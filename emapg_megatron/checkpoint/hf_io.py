@@ -1,7 +1,9 @@
 """Reading and writing Hugging Face safetensors directories tensor by tensor.
 
 :class:`SafetensorsReader` opens every shard lazily (``safe_open`` memory-maps the file) and reads
-only the requested slice, so a TP rank never materialises tensors it does not own.
+only the requested slice, so a TP rank never materialises tensors it does not own. It reads only
+regular files inside the HF folder (the index may name any path) and refuses a malformed index or
+a safetensors header that disagrees with its file in one line naming the file.
 :class:`StreamingSafetensorsWriter` writes ``model-0000i-of-0000n.safetensors`` shards of bounded
 size plus ``model.safetensors.index.json`` straight from the stream, holding no tensor.
 """
@@ -10,17 +12,20 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import struct
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
+from emapg_megatron.checkpoint.safe_load import checked_file, first_line, read_json
 from emapg_megatron.errors import ConfigError
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+MAX_INDEX_BYTES = 64 << 20  # a 1T-parameter model's index is a few MB
 
 # Files copied from an HF template next to the exported weights.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
@@ -37,15 +42,9 @@ class SafetensorsReader:
 
     def __init__(self, hf_dir: str | Path):
         self.dir = Path(hf_dir)
-        index = self.dir / INDEX
-        if index.is_file():
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        elif (self.dir / SINGLE).is_file():
-            files = [SINGLE]
-        else:
-            found = sorted(p.name for p in self.dir.glob("*.bin")) if self.dir.is_dir() else []
-            hint = f" (found {', '.join(found)}: convert .bin weights to safetensors first)" if found else ""
-            raise ConfigError(f"{hf_dir} has no {SINGLE} or {INDEX}{hint}")
+        files = _shard_files(self.dir)
+        for f in files:  # before safe_open opens them: a named pipe would block it
+            checked_file(str(self.dir / f), str(self.dir))
         # Shapes from the shard headers (the index may list names only).
         self._file_of, self._shapes = {}, {}
         for f in files:
@@ -55,7 +54,12 @@ class SafetensorsReader:
                     self._shapes[name] = tuple(handle.get_slice(name).get_shape())
 
     def _open(self, file: str):
-        return safe_open(str(self.dir / file), framework="pt")
+        """``safe_open`` of a shard; its header is checked against the file (offsets in bounds,
+        not overlapping, byte counts matching dtype x shape): a lie is one line naming it."""
+        try:
+            return safe_open(str(self.dir / file), framework="pt")
+        except (SafetensorError, OSError) as e:
+            raise ConfigError(f"corrupt safetensors file {self.dir / file}: {first_line(e)}") from None
 
     def names(self) -> list[str]:
         return list(self._file_of)
@@ -66,6 +70,22 @@ class SafetensorsReader:
     def read(self, name: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
         with self._open(self._file_of[name]) as handle:
             return handle.get_tensor(name) if index is None else handle.get_slice(name)[index]
+
+
+def _shard_files(hf_dir: Path) -> list[str]:
+    """The safetensors files of an HF folder: the index's shards, else the single file."""
+    index = hf_dir / INDEX
+    if os.path.lexists(index):
+        entries = read_json(str(index), MAX_INDEX_BYTES, "invalid JSON in")
+        weight_map = entries.get("weight_map") if isinstance(entries, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise ConfigError(f"corrupt {index}: its weight_map must map tensor names to file names")
+        return sorted(set(weight_map.values()))
+    if os.path.lexists(hf_dir / SINGLE):
+        return [SINGLE]
+    found = sorted(p.name for p in hf_dir.glob("*.bin")) if hf_dir.is_dir() else []
+    hint = f" (found {', '.join(found)}: convert .bin weights to safetensors first)" if found else ""
+    raise ConfigError(f"{hf_dir} has no {SINGLE} or {INDEX}{hint}")
 
 
 _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}

@@ -19,6 +19,12 @@ and every global is checked before it is looked up.
 Transformer Engine's ``set_extra_state`` unpickles its fp8 state from a uint8 tensor;
 :func:`verify_loaded_extra_state` scans such payloads of a loaded state dict before the model
 sees them.
+
+Hostile files cost bounded memory and time: every file is checked to be a regular file inside
+the folder named (:func:`open_checked`: a named pipe would block every rank) before it is opened,
+pickles may not name a callable that allocates what an integer in them asks for
+(:func:`_allocates`), and what torch loads is bounded in depth and size (:func:`_check_shape`).
+The HF readers (:mod:`.hf_config`, :mod:`.hf_io`) open files through the same checks.
 """
 
 from __future__ import annotations
@@ -27,8 +33,12 @@ import io
 import json
 import os
 import pickle
+import pickletools
 import re
+import stat
 import warnings
+import zipfile
+from _compat_pickle import IMPORT_MAPPING, NAME_MAPPING
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +50,21 @@ from emapg_megatron.errors import ConfigError
 METADATA_JSON = "metadata.json"
 COMMON = "common.pt"
 DCP_METADATA = ".metadata"
+
+# The one format read: megatron's torch_dist (torch DCP files, whose pickles are checked here) with
+# torch common state; megatron's other backends (zarr, ...) store pickles nothing here checks.
+BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+           "common_backend": "torch", "common_backend_version": 1}
+
+# The most bytes read from a file of each kind: bounds on memory, far above real files (metadata
+# json: ~120 bytes; .metadata grows with tensors x shards: tens of MB for a large model).
+MAX_JSON_BYTES = 1 << 20
+MAX_PICKLE_BYTES = 4 << 30
+# What torch loads from a checkpoint's pickles (common.pt, byte items): real ones nest a few
+# levels and hold thousands of objects; the code walking them recurses, and a pickle can share
+# one list many times over (2**60 visits from a few hundred bytes).
+MAX_DEPTH = 64
+MAX_OBJECTS = 1_000_000
 
 # Recorded from the find_class calls of real checkpoints of this project (TP/PP/DP, local and
 # distributed optimizer, fp32 and bf16), plus the few builtins a pickle of such data may name.
@@ -54,7 +79,7 @@ _METADATA_GLOBALS = {
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
     "torch.serialization": {"_get_layout"},
     "torch": {"Size"},
-    "builtins": {"set", "frozenset", "slice", "complex", "bytearray"},
+    "builtins": {"set", "frozenset", "slice", "complex"},  # not bytearray: bytearray(2**31) is 2 GB
     "collections": {"OrderedDict"},
     "pathlib": {"PosixPath", "PurePosixPath"},  # StorageMeta.checkpoint_id may be a path
 }
@@ -84,9 +109,16 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise _Refused("<persistent id>", repr(pid)[:40])
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
+    """``Type: first line of the message`` (torch's and megatron's span many lines)."""
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
+
+
+def shown(value, limit: int = 60) -> str:
+    """``repr(value)``, cut to ``limit`` characters: a hostile value stays one short line."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _refusal(path: str, what: str) -> ConfigError:
@@ -94,18 +126,88 @@ def _refusal(path: str, what: str) -> ConfigError:
                        f"contains (tampered or not a checkpoint); nothing from it was executed")
 
 
+# --- files: regular, inside the folder named, bounded -----------------------------------------
+def _inside(path: str, root: str) -> str:
+    """``path`` with links resolved; ConfigError if that is outside the folder ``root`` (for a
+    Hugging Face hub cache snapshot, ``.../snapshots/REV``, its own ``blobs/`` counts as inside:
+    its files are links there)."""
+    real = os.path.realpath(path)
+    tops = [os.path.realpath(root)]
+    parent = os.path.dirname(os.path.abspath(root))
+    if os.path.basename(parent) == "snapshots":
+        tops.append(os.path.realpath(os.path.join(parent, os.pardir, "blobs")))
+    if not any(os.path.commonpath([real, top]) == top for top in tops):
+        raise ConfigError(f"refusing to read {path}: it resolves to {real}, outside {root}")
+    return real
+
+
+def _check_regular(info: os.stat_result, path: str, limit: int | None) -> None:
+    if not stat.S_ISREG(info.st_mode):
+        kind = ("a named pipe (FIFO)" if stat.S_ISFIFO(info.st_mode) else
+                "a directory" if stat.S_ISDIR(info.st_mode) else "a device or socket")
+        raise ConfigError(f"refusing to read {path}: it is {kind}, not a regular file")
+    if limit is not None and info.st_size > limit:
+        raise ConfigError(f"refusing to read {path}: {info.st_size} bytes, more than the {limit} "
+                          f"such a file may have")
+
+
+def checked_file(path: str, root: str) -> int:
+    """The size of ``path``, for a reader that opens it itself: a regular file inside the folder
+    ``root`` (links resolved), else ConfigError naming it. A named pipe would block the open."""
+    real = _inside(path, root)
+    try:
+        info = os.stat(real)
+    except OSError as e:
+        raise ConfigError(f"cannot read {path}: {e.strerror}") from None
+    _check_regular(info, path, None)
+    return info.st_size
+
+
+def open_checked(path: str, limit: int | None, root: str | None = None):
+    """``path`` opened for binary reading if it is a regular file (of at most ``limit`` bytes)
+    inside the folder ``root`` (default: the one it is named in); else ConfigError naming it.
+    Opened non-blocking and checked before any read: a named pipe would block every rank forever."""
+    real = _inside(path, os.path.dirname(path) if root is None else root)
+    try:
+        fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise ConfigError(f"cannot read {path}: {e.strerror}") from None
+    try:
+        _check_regular(os.fstat(fd), path, limit)
+    except ConfigError:
+        os.close(fd)
+        raise
+    return os.fdopen(fd, "rb")
+
+
+def read_json(path: str, limit: int, what: str, root: str | None = None):
+    """The JSON in ``path`` (:func:`open_checked`); ConfigError ``"{what} {path}: ..."`` if it
+    is not JSON (also nested beyond the parser's depth)."""
+    with open_checked(path, limit, root) as f:
+        data = f.read(limit)  # also if it grew since the check
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError) as e:  # bad bytes, bad JSON, nesting too deep
+        raise ConfigError(f"{what} {path}: {first_line(e)}") from None
+
+
+# --- pickles --------------------------------------------------------------------------------
 def read_dcp_metadata(path: str):
     """torch's checkpoint ``Metadata`` from ``path`` without executing anything else."""
     try:
-        with open(path, "rb") as f:
+        with open_checked(path, MAX_PICKLE_BYTES) as f:
             metadata = _MetadataUnpickler(f).load()
+    except ConfigError:
+        raise
     except _Refused as e:
         raise _refusal(path, e.qualname) from None
     except Exception as e:  # noqa: BLE001 - any unpickling failure: a corrupt file
-        raise ConfigError(f"corrupt checkpoint metadata {path}: {_first_line(e)}") from None
+        raise ConfigError(f"corrupt checkpoint metadata {path}: {first_line(e)}") from None
     if not isinstance(metadata, Metadata):
         raise ConfigError(f"corrupt checkpoint metadata {path}: holds a {type(metadata).__name__}, "
                           f"not torch checkpoint metadata")
+    if not all(isinstance(t, dict) for t in (metadata.state_dict_metadata, metadata.storage_data or {})):
+        raise ConfigError(f"corrupt checkpoint metadata {path}: its tables are not dicts")
     return metadata
 
 
@@ -124,62 +226,148 @@ def _weights_only_reason(message: str) -> str | None:
     return f"a construct torch's weights-only loader rejects ({reason})"
 
 
-def safe_torch_load(data, where: str):
-    """``torch.load(weights_only=True)`` of a file path or bytes; ConfigError naming ``where``."""
+def _allocates(qualname: str) -> bool:
+    """Whether torch's weights-only loader admits ``qualname`` as a callable that allocates what
+    an integer in the pickle asks for: bytearray(2**31) is 2 GB from an 800-byte file, and so are
+    torch.Tensor(n), the legacy torch.FloatTensor(n) ... and the storages. torch.save never names
+    them (it rebuilds tensors with torch._utils._rebuild_tensor_v2 from the archive's records)."""
+    module, _, name = qualname.rpartition(".")
+    return (qualname == "builtins.bytearray" or name in ("UntypedStorage", "TypedStorage")
+            or (module.split(".")[0] == "torch" and name.endswith("Tensor")))
+
+
+def _refused_global(pickle_file) -> str | None:
+    """The first callable named by the pickle at ``pickle_file``'s position (read up to its STOP)
+    that :func:`_allocates`, its name mapped as torch's loader maps it (GLOBAL is the only opcode
+    by which torch's weights-only unpickler finds a callable)."""
+    for opcode, arg, _ in pickletools.genops(pickle_file):
+        if opcode.name == "GLOBAL":
+            module, name = arg.split(" ", 1)
+            module, name = NAME_MAPPING.get((module, name), (IMPORT_MAPPING.get(module, module), name))
+            if _allocates(f"{module}.{name}"):
+                return f"{module}.{name}"
+    return None
+
+
+def _torch_pickles(stream, where: str) -> list:
+    """The pickles ``torch.load`` reads from ``stream``, each as a file positioned at its start:
+    a zip archive's ``*.pkl`` records (which must be stored, no larger than the file), else the
+    five leading pickles of the legacy format (how torch pickles a storage)."""
+    size = stream.seek(0, os.SEEK_END)
+    stream.seek(0)
+    is_zip = stream.read(4) == b"PK\x03\x04"  # torch.load's own test
+    stream.seek(0)
+    if not is_zip:
+        return [stream] * 5  # one stream: each scan reads one pickle
+    with zipfile.ZipFile(stream) as archive:
+        records = archive.infolist()
+        if any(r.compress_type != zipfile.ZIP_STORED or r.file_size > size for r in records):
+            raise ConfigError(f"corrupt checkpoint file {where}: a record is compressed or larger "
+                              f"than the file")
+        return [io.BytesIO(archive.read(r)) for r in records if r.filename.endswith(".pkl")]
+
+
+def _check_torch_archive(stream, where: str) -> None:
+    """Refuse, before torch reads it, a torch.save file whose pickles name an allocating callable."""
+    for pickle_file in _torch_pickles(stream, where):
+        refused = _refused_global(pickle_file)
+        if refused:
+            raise _refusal(where, refused)
+    stream.seek(0)
+
+
+_CONTAINERS = (dict, list, tuple, set, frozenset)
+
+
+def _check_shape(loaded, where: str) -> None:
+    """Refuse a loaded object nested deeper than :data:`MAX_DEPTH` or holding more than
+    :data:`MAX_OBJECTS` (counted as a recursive walk meets them: a shared list once per path)."""
+    stack, seen = [(loaded, 0)] if isinstance(loaded, _CONTAINERS) else [], 0
+    while stack:
+        node, depth = stack.pop()
+        children = [c for pair in node.items() for c in pair] if isinstance(node, dict) else node
+        seen += len(children)
+        if (depth >= MAX_DEPTH and children) or seen > MAX_OBJECTS:
+            raise ConfigError(f"corrupt checkpoint file {where}: nested more than {MAX_DEPTH} levels "
+                              f"deep or more than {MAX_OBJECTS} objects")
+        stack.extend((c, depth + 1) for c in children if isinstance(c, _CONTAINERS))
+
+
+def safe_torch_load(source, where: str):
+    """``torch.load(weights_only=True)`` of bytes or a binary file, after
+    :func:`_check_torch_archive`; the result passes :func:`_check_shape`. ConfigError naming
+    ``where``."""
+    stream = io.BytesIO(source) if isinstance(source, (bytes, bytearray)) else source
     try:
-        source = io.BytesIO(data) if isinstance(data, (bytes, bytearray)) else data
+        _check_torch_archive(stream, where)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "Detected pickle protocol 4 ..." and the like
-            return torch.load(source, map_location="cpu", weights_only=True)
+            loaded = torch.load(stream, map_location="cpu", weights_only=True)
+    except ConfigError:
+        raise
     except Exception as e:  # noqa: BLE001
         refused = _weights_only_reason(str(e))
         if refused:
             raise _refusal(where, refused) from None
-        raise ConfigError(f"corrupt checkpoint file {where}: {_first_line(e)}") from None
+        raise ConfigError(f"corrupt checkpoint file {where}: {first_line(e)}") from None
+    _check_shape(loaded, where)
+    return loaded
 
 
+# --- the checkpoint directory -----------------------------------------------------------------
 def read_metadata_json(ckpt_dir: str) -> dict:
     path = os.path.join(ckpt_dir, METADATA_JSON)
-    if not os.path.isfile(path):
+    if not os.path.lexists(path):
         raise ConfigError(f"{ckpt_dir} is not a distributed checkpoint (no {METADATA_JSON})")
-    try:
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
-    except Exception as e:  # noqa: BLE001 - bad bytes, bad json
-        raise ConfigError(f"corrupt checkpoint metadata {path}: {_first_line(e)}") from None
+    config = read_json(path, MAX_JSON_BYTES, "corrupt checkpoint metadata")
     if not isinstance(config, dict) or not isinstance(config.get("sharded_backend"), str):
         raise ConfigError(f"corrupt checkpoint metadata {path}: no 'sharded_backend' entry")
+    for key, value in config.items():
+        if key not in BACKEND or type(value) is not type(BACKEND[key]) or value != BACKEND[key]:
+            raise ConfigError(
+                f"unsupported checkpoint {path}: {shown(key)} is {shown(value)}; only "
+                f"{BACKEND['sharded_backend']} checkpoints with {BACKEND['common_backend']} common "
+                f"state, version 1, are read (the format whose files are checked before loading)")
     return config
 
 
-def _verify_byte_items(ckpt_dir: str, metadata) -> None:
-    """Every ShardedObject payload must load with weights_only=True (torch loads it without)."""
-    root = os.path.realpath(ckpt_dir)
+def _storage_entry(ckpt_dir: str, index, info) -> tuple[str, int, int]:
+    """``(relative path, offset, length)`` of a storage entry of the metadata."""
+    try:
+        rel, offset, length = info.relative_path, int(info.offset), int(info.length)
+        if not isinstance(rel, str) or offset < 0 or length < 0:
+            raise ValueError(f"{shown(rel)} at {offset}, {length} bytes")
+    except Exception as e:  # noqa: BLE001 - a storage entry of the wrong shape
+        raise ConfigError(f"corrupt checkpoint metadata {os.path.join(ckpt_dir, DCP_METADATA)}: "
+                          f"bad storage entry for {shown(getattr(index, 'fqn', index))}: "
+                          f"{first_line(e)}") from None
+    return rel, offset, length
+
+
+def _verify_storage(ckpt_dir: str, metadata) -> None:
+    """Every file the metadata points into is a regular file in the checkpoint holding the bytes
+    it is said to; every byte item loads with :func:`safe_torch_load` (torch loads it with
+    ``weights_only=False``)."""
+    sizes = {}
     for index, info in (metadata.storage_data or {}).items():
+        rel, offset, length = _storage_entry(ckpt_dir, index, info)
+        path = os.path.join(ckpt_dir, rel)
+        where = f"{path} (item {index.fqn})"
+        if rel not in sizes:
+            sizes[rel] = checked_file(path, ckpt_dir)
+        if offset + length > sizes[rel]:
+            raise ConfigError(f"corrupt checkpoint file {where}: truncated")
         if not isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
             continue
-        where = f"{os.path.join(ckpt_dir, str(getattr(info, 'relative_path', '?')))} (item {index.fqn})"
-        try:
-            rel, offset, length = info.relative_path, int(info.offset), int(info.length)
-            path = os.path.realpath(os.path.join(root, rel))
-        except Exception as e:  # noqa: BLE001 - a storage entry of the wrong shape
-            raise ConfigError(f"corrupt checkpoint metadata {os.path.join(ckpt_dir, DCP_METADATA)}: "
-                              f"bad storage entry for {index.fqn}: {_first_line(e)}") from None
-        if os.path.dirname(path) != root:
-            raise ConfigError(f"corrupt checkpoint metadata {os.path.join(ckpt_dir, DCP_METADATA)}: "
-                              f"{index.fqn} points outside the checkpoint ({rel!r})")
         if getattr(info, "transform_descriptors", None):
             raise ConfigError(f"cannot verify {where}: stored with transforms "
                               f"{list(info.transform_descriptors)} this loader does not read")
-        try:
-            with open(path, "rb") as f:
-                f.seek(offset)
-                data = f.read(length)
-        except OSError as e:
-            raise ConfigError(f"cannot read {where}: {_first_line(e)}") from None
-        if len(data) != length:
-            raise ConfigError(f"corrupt checkpoint file {where}: truncated")
-        safe_torch_load(data, where)
+        if length > MAX_PICKLE_BYTES:
+            raise ConfigError(f"refusing to read {where}: {length} bytes, more than the "
+                              f"{MAX_PICKLE_BYTES} such an item may have")
+        with open_checked(path, None, ckpt_dir) as f:
+            f.seek(offset)
+            safe_torch_load(f.read(length), where)
 
 
 @dataclass
@@ -198,27 +386,28 @@ def verify_checkpoint_metadata(ckpt_dir: str) -> VerifiedCheckpoint:
     config = read_metadata_json(ckpt_dir)
     metadata = None
     names = sorted(os.listdir(ckpt_dir))
-    if config["sharded_backend"] == "torch_dist" and DCP_METADATA not in names:
+    if DCP_METADATA not in names:
         raise ConfigError(f"corrupt checkpoint {ckpt_dir}: no {DCP_METADATA} file")
     for name in names:  # .metadata and any per-rank __R.metadata
         if name.endswith(DCP_METADATA):
             read = read_dcp_metadata(os.path.join(ckpt_dir, name))
             if name == DCP_METADATA:
                 metadata = read
-    if metadata is not None:
-        try:
-            _verify_byte_items(ckpt_dir, metadata)
-        except ConfigError:
-            raise
-        except Exception as e:  # noqa: BLE001 - admitted classes holding the wrong things
-            raise ConfigError(f"corrupt checkpoint metadata {os.path.join(ckpt_dir, DCP_METADATA)}: "
-                              f"{_first_line(e)}") from None
+    try:
+        _verify_storage(ckpt_dir, metadata)
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - admitted classes holding the wrong things
+        raise ConfigError(f"corrupt checkpoint metadata {os.path.join(ckpt_dir, DCP_METADATA)}: "
+                          f"{first_line(e)}") from None
     common = None
     if COMMON in names:
-        common = safe_torch_load(os.path.join(ckpt_dir, COMMON), os.path.join(ckpt_dir, COMMON))
+        path = os.path.join(ckpt_dir, COMMON)
+        with open_checked(path, MAX_PICKLE_BYTES) as f:
+            common = safe_torch_load(f, path)
         if not isinstance(common, dict):
-            raise ConfigError(f"corrupt checkpoint file {os.path.join(ckpt_dir, COMMON)}: "
-                              f"holds a {type(common).__name__}, not a dict")
+            raise ConfigError(f"corrupt checkpoint file {path}: holds a {type(common).__name__}, "
+                              f"not a dict")
     return VerifiedCheckpoint(ckpt_dir, config, metadata, common)
 
 
@@ -228,7 +417,7 @@ _EXTRA_STATE_GLOBALS = {
     "torch.storage": {"_load_from_bytes"},  # its bytes are checked with weights_only=True
     "torch": {"Size", "device"},
     "collections": {"OrderedDict"},
-    "builtins": {"set", "frozenset", "slice", "complex", "bytearray"},
+    "builtins": {"set", "frozenset", "slice", "complex"},
 }
 _EXTRA_STATE_MODULES = ("transformer_engine.common.recipe",)  # fp8 recipes and their enums
 
@@ -281,7 +470,7 @@ def verify_pickled_extra_state(data: bytes, where: str) -> None:
     except ConfigError:
         raise
     except Exception as e:  # noqa: BLE001
-        raise ConfigError(f"corrupt extra state {where}: {_first_line(e)}") from None
+        raise ConfigError(f"corrupt extra state {where}: {first_line(e)}") from None
 
 
 def verify_loaded_extra_state(loaded, where: str) -> None:
@@ -295,6 +484,9 @@ def verify_loaded_extra_state(loaded, where: str) -> None:
                 walk(v, f"{key}.{i}")
         elif (key.endswith("_extra_state") and isinstance(node, torch.Tensor)
               and node.dtype == torch.uint8 and node.numel() > 0):
+            if node.numel() > node.untyped_storage().nbytes():  # a view repeating its bytes
+                raise ConfigError(f"corrupt extra state {where} ({key}): {node.numel()} bytes "
+                                  f"from {node.untyped_storage().nbytes()} stored")
             verify_pickled_extra_state(node.detach().cpu().numpy().tobytes(), f"{where} ({key})")
 
     walk(loaded, "")

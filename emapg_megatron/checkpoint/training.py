@@ -19,6 +19,8 @@ reshard (switching --use-distributed-optimizer; the distributed optimizer across
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import shutil
 
@@ -31,6 +33,8 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from emapg_megatron.checkpoint.files import atomic_write_text, fsync_dir, replace_dir
 from emapg_megatron.checkpoint.paths import TRACKER, iteration_dir  # noqa: F401  (re-exported)
 from emapg_megatron.checkpoint.safe_load import (
+    COMMON,
+    shown,
     verify_checkpoint_metadata,
     verify_loaded_extra_state,
 )
@@ -213,21 +217,28 @@ def current_layout(sharded_state_dict: dict | None = None) -> dict:
 
 
 def saved_layout(checkpoint) -> dict:
-    """The layout a verified checkpoint was saved at; inferred for checkpoints older than
-    :data:`LAYOUT_KEY` (then the TP/PP/DP sizes are unknown: None)."""
+    """The layout a verified checkpoint was saved at (checked: :data:`_LAYOUT`); inferred for
+    checkpoints older than :data:`LAYOUT_KEY` (then the TP/PP/DP sizes are unknown: None)."""
     common = checkpoint.common or {}
-    layout = (common.get("common") or {}).get(LAYOUT_KEY) if isinstance(common.get("common"), dict) else None
-    if isinstance(layout, dict):
-        return layout
-    world = None
-    if checkpoint.metadata is not None:
-        for fqn in checkpoint.metadata.state_dict_metadata:
-            if fqn.startswith("rng_state/shard_"):
-                world = int(fqn.rsplit("_", 1)[1])
-                break
-    return {"world_size": world, "tensor_model_parallel_size": None,
-            "pipeline_model_parallel_size": None, "data_parallel_size": None,
-            "optimizer": optimizer_format(common.get("optimizer"))}
+    trainer = common["common"] if isinstance(common.get("common"), dict) else {}
+    if trainer.get(LAYOUT_KEY) is not None:
+        where = os.path.join(checkpoint.path, COMMON)
+        _check_entries(trainer, {LAYOUT_KEY: _DICT}, where)
+        _check_entries(trainer[LAYOUT_KEY], _LAYOUT, where, f"{LAYOUT_KEY}.")
+        return trainer[LAYOUT_KEY]
+    shards = [fqn for fqn in (checkpoint.metadata.state_dict_metadata if checkpoint.metadata else ())
+              if isinstance(fqn, str) and fqn.startswith("rng_state/shard_")]
+    return {"world_size": _saved_world(shards[0]) if shards else None,
+            "tensor_model_parallel_size": None, "pipeline_model_parallel_size": None,
+            "data_parallel_size": None, "optimizer": optimizer_format(common.get("optimizer"))}
+
+
+def _saved_world(rng_fqn: str) -> int | None:
+    """The world size in the name of an RNG shard, ``rng_state/shard_<rank>_<world>``."""
+    try:
+        return int(rng_fqn.rsplit("_", 1)[1])
+    except ValueError:
+        return None
 
 
 def _describe(layout: dict) -> str:
@@ -277,15 +288,82 @@ def _reseed(iteration: int, saved: dict, now: dict) -> None:
               f"is not restored but reseeded from the step", flush=True)
 
 
+# --- loading --------------------------------------------------------------------------------------
+def _json_object(text) -> bool:
+    try:
+        return isinstance(text, str) and isinstance(json.loads(text), dict)
+    except (ValueError, RecursionError):
+        return False
+
+
+# What a resume reads from the trainer's ``common`` entry (Trainer.load_state_dict,
+# training.loop.resume) and the layout saved there: (what it must be, its check).
+_DICT = ("a dict", lambda v: isinstance(v, dict))
+_COUNT = ("a non-negative integer", lambda v: type(v) is int and 0 <= v < 2**63)
+_NUMBER = ("a finite number", lambda v: type(v) in (int, float) and math.isfinite(v))
+_TEXT = ("a string", lambda v: isinstance(v, str))
+_SIZE = ("a positive integer or null", lambda v: v is None or (type(v) is int and 0 < v < 2**31))
+_TEXT_OR_NULL = ("a string or null", lambda v: v is None or isinstance(v, str))
+_FLAGS = ("a JSON object of the run's flags", _json_object)
+# megatron's OptimizerParamScheduler.state_dict(): its load_state_dict reads every entry
+_SCHEDULER = {"max_lr": _NUMBER, "min_lr": _NUMBER, "lr_warmup_steps": _COUNT,
+              "lr_decay_steps": _COUNT, "lr_decay_style": _TEXT, "num_steps": _COUNT,
+              "start_wd": _NUMBER, "end_wd": _NUMBER, "wd_incr_steps": _COUNT, "wd_incr_style": _TEXT}
+_LAYOUT = {"world_size": _SIZE, "tensor_model_parallel_size": _SIZE,
+           "pipeline_model_parallel_size": _SIZE, "data_parallel_size": _SIZE,
+           "optimizer": _TEXT_OR_NULL}
+
+
+def _check_entries(entries: dict, spec: dict, where: str, prefix: str = "") -> None:
+    """Every key of ``spec`` is in ``entries`` and passes its check; else ConfigError naming
+    ``where``."""
+    for key, (what, ok) in spec.items():
+        if key not in entries:
+            raise ConfigError(f"corrupt checkpoint file {where}: no '{prefix}{key}' entry")
+        if not ok(entries[key]):
+            raise ConfigError(f"corrupt checkpoint file {where}: '{prefix}{key}' is "
+                              f"{shown(entries[key])}, not {what}")
+
+
+def checked_common(checkpoint) -> dict:
+    """The trainer's ``common`` entry of a verified checkpoint, checked to hold what a resume reads
+    from it: the LR schedule's state, the skipped-step count and (optional) the run's flags."""
+    where = os.path.join(checkpoint.path, COMMON)
+    if checkpoint.common is None:
+        raise ConfigError(f"corrupt checkpoint {checkpoint.path}: no {COMMON}")
+    _check_entries(checkpoint.common, {"common": _DICT}, where)
+    common = checkpoint.common["common"]
+    _check_entries(common, {"scheduler": _DICT, "skipped_steps": _COUNT}, where)
+    _check_entries(common["scheduler"], _SCHEDULER, where, "scheduler.")
+    if "args" in common:
+        _check_entries(common, {"args": _FLAGS}, where)
+    return common
+
+
+def _restore_rng(rng, path: str) -> bool:
+    """Set this rank's RNG to the checkpoint's; False if it was saved at another world size."""
+    if not isinstance(rng, dict) or "torch" not in rng:
+        raise ConfigError(f"corrupt checkpoint {path}: its rng_state is {shown(rng)}, not an RNG state")
+    if rng.get("world_size") != dist.get_world_size():
+        return False
+    try:
+        torch.set_rng_state(rng["torch"])
+    except (TypeError, RuntimeError):
+        raise ConfigError(f"corrupt checkpoint {path}: its rng_state holds {shown(rng['torch'])}, "
+                          f"not a torch RNG state") from None
+    return True
+
+
 def load(root: str, sharded_state_dict: dict, iteration: int) -> dict:
     """Load step ``iteration`` (:func:`agreed_latest_iteration`) into the given sharded state
-    dict; returns the loaded state.
+    dict; returns the loaded state, its ``common`` entry checked (:func:`checked_common`).
 
     The checkpoint's files are verified first (nothing in them is executed), then its saving
     layout is compared with this run's (:func:`check_layout`).
     """
     path = iteration_dir(root, iteration)
     checkpoint = verify_checkpoint_metadata(path)
+    common = checked_common(checkpoint)
     saved, now = saved_layout(checkpoint), current_layout(sharded_state_dict)
     check_layout(saved, now, path)
     restore_rng = _same_rank_layout(saved, now)
@@ -297,10 +375,9 @@ def load(root: str, sharded_state_dict: dict, iteration: int) -> dict:
     except BaseException as e:  # noqa: BLE001 - CheckpointException derives from BaseException
         _reraise_in_one_line(e, f"--load {path}: cannot load checkpoint")
     verify_loaded_extra_state(loaded.get("model"), path)
+    loaded["common"] = common  # the checked copy (megatron read the file once more)
     rng = loaded.pop("rng_state", None)
-    if restore_rng and rng["world_size"] == dist.get_world_size():
-        torch.set_rng_state(rng["torch"])
-    else:
+    if not (restore_rng and _restore_rng(rng, path)):
         _reseed(iteration, saved, now)
     return loaded
 

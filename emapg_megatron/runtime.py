@@ -10,6 +10,7 @@ without a GPU (or with ``device="cpu"``) it first installs
 from __future__ import annotations
 
 import datetime
+import multiprocessing
 import os
 
 import torch
@@ -77,6 +78,13 @@ def model_parallel_options(cfg: ParallelConfig) -> dict:
                 pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
                 create_gloo_process_groups=True,
                 distributed_timeout_minutes=cfg.timeout_minutes)
+
+
+def end_child_processes() -> None:
+    """Kill this process's multiprocessing children (the writers Megatron forks during a save and
+    its results Manager): a rank that exits without teardown must not leave them running."""
+    for child in multiprocessing.active_children():
+        child.kill()
 
 
 def destroy() -> None:

@@ -86,6 +86,7 @@ def run_checked(fn) -> int:
         if failure is None:
             raise
         print(f"error: {failure}", file=sys.stderr, flush=True)
+        runtime.end_child_processes()
         os._exit(1)  # no teardown: it would wait on the dead peer again
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
+from emapg_megatron import runtime
 from emapg_megatron.checkpoint import training as checkpointing
 from emapg_megatron.checkpoint.convert import METADATA
 from emapg_megatron.errors import SkippedStepsError, agreed
@@ -106,6 +107,7 @@ class StopFlag:
         elif now - self.requested_at > self.REPEAT_S:
             print(f"error: stopped by a second {signal.Signals(signum).name} without a checkpoint",
                   file=sys.stderr, flush=True)
+            runtime.end_child_processes()
             os._exit(1)
 
     def agreed(self) -> bool:

@@ -1,11 +1,13 @@
 """One run per ``--save`` directory.
 
-Rank 0 holds an exclusive ``fcntl.flock`` on ``SAVE/.emapg-run.lock`` for the run's lifetime
-and writes its PID (and host) into it. A second run on the same directory fails in one line
-naming the directory and the holder. The kernel drops the lock when its holder exits, however
-it exits, so a lock file left by a dead run never blocks (its stale PID is just overwritten).
-flock is per host on most network file systems: two hosts writing one shared directory are not
-detected everywhere.
+Rank 0 holds an exclusive POSIX record lock (``fcntl.lockf``) on ``SAVE/.emapg-run.lock`` for
+the run's lifetime and writes its PID (and host) into it. A second run on the same directory fails
+in one line naming the directory and the holder. The kernel drops the lock when its holder exits,
+however it exits, so a lock file left by a dead run never blocks (its stale PID is just
+overwritten). A record lock belongs to the process, not to the open file: the writer processes
+Megatron forks during a save do not inherit it, so writers that outlive a killed rank cannot hold
+it (an ``flock`` would stay with them). Network file systems lock per host at best: two hosts
+writing one shared directory are not detected everywhere.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from emapg_megatron.errors import ConfigError
 from emapg_megatron.training.collectives import on_rank0
 
 LOCK_NAME = ".emapg-run.lock"
+_HELD: dict[str, int] = {}  # lock files this process holds -> their open file
 
 
 class SaveDirLock:
@@ -32,22 +35,29 @@ class SaveDirLock:
 
     def acquire(self) -> SaveDirLock:
         os.makedirs(self.directory, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        key = os.path.realpath(self.path)
+        if key in _HELD:  # a record lock does not conflict within its own process: say it here
+            raise self._in_use(_read_holder(_HELD[key]))
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             holder = _read_holder(fd)
             os.close(fd)
-            raise ConfigError(f"--save {self.directory} is in use by another run ({holder}): two "
-                              f"runs must not write the same checkpoint directory") from None
+            raise self._in_use(holder) from None
         os.ftruncate(fd, 0)
         os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
-        self._fd = fd
+        self._fd, _HELD[key] = fd, fd
         return self
+
+    def _in_use(self, holder: str) -> ConfigError:
+        return ConfigError(f"--save {self.directory} is in use by another run ({holder}): two "
+                           f"runs must not write the same checkpoint directory")
 
     def release(self) -> None:
         if self._fd is not None:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            _HELD.pop(os.path.realpath(self.path), None)
+            fcntl.lockf(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None
 

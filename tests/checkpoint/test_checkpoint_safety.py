@@ -8,6 +8,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -23,6 +24,8 @@ from emapg_megatron.checkpoint.safe_load import (
 from emapg_megatron.errors import ConfigError
 from emapg_megatron.multiprocess import run_distributed
 from emapg_megatron.training.run_lock import LOCK_NAME, SaveDirLock, lock_save_dir
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 ITER = "iter_0000001"
 
@@ -221,6 +224,62 @@ def test_lock_left_by_a_dead_run_does_not_block(tmp_path):
     lock = lock_save_dir(str(tmp_path))
     assert lock.held and path.read_text().startswith(f"pid {os.getpid()} ")
     lock.release()
+
+
+def test_a_writer_that_outlives_its_killed_rank_does_not_hold_the_lock(tmp_path):
+    """Megatron forks writer processes during a save; they must not keep the --save lock when the
+    rank that took it is SIGKILLed (issue 28: every restart was refused while they lived)."""
+    import signal
+
+    code = ("import os, sys, time; sys.path.insert(0, sys.argv[2]); "
+            "from emapg_megatron.training.run_lock import SaveDirLock; "
+            "SaveDirLock(sys.argv[1]).acquire(); pid = os.fork(); "
+            "time.sleep(60) if pid == 0 else (print(pid, flush=True), time.sleep(60))")
+    rank = subprocess.Popen([sys.executable, "-c", code, str(tmp_path), ROOT], stdout=subprocess.PIPE, text=True)
+    writer = int(rank.stdout.readline())
+    try:
+        rank.kill()  # SIGKILL: no teardown; the forked "writer" lives on
+        rank.wait(timeout=30)
+        os.kill(writer, 0)  # still alive
+        lock = lock_save_dir(str(tmp_path))  # the next start is not refused
+        assert lock.held
+        lock.release()
+    finally:
+        os.kill(writer, signal.SIGKILL)
+
+
+NO_TEARDOWN_EXIT = """
+import sys
+import torch.multiprocessing as mp
+sys.path.insert(0, sys.argv[1])
+from emapg_megatron import train
+
+manager = mp.get_context("spawn").Manager()  # as megatron's async writer makes one
+print(manager._process.pid, flush=True)
+
+
+def fail():
+    raise RuntimeError("Connection closed by peer")
+
+
+train.run_checked(fail)
+"""
+
+
+def test_the_no_teardown_exit_ends_the_ranks_child_processes():
+    """A collective failure exits at once (os._exit): Megatron's results Manager and writers, the
+    rank's multiprocessing children, must not outlive it."""
+    r = subprocess.run([sys.executable, "-c", NO_TEARDOWN_EXIT, ROOT], capture_output=True, text=True,
+                       timeout=120)
+    manager = int(r.stdout.split()[0])
+    assert r.returncode == 1 and r.stderr.strip().startswith("error: a collective failed"), r.stderr
+    for _ in range(100):
+        try:
+            os.kill(manager, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    pytest.fail(f"the Manager (pid {manager}) outlived its rank")
 
 
 def test_the_optimizer_format_is_detected_and_a_switch_refused(saved):

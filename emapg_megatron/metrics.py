@@ -46,6 +46,7 @@ class MetricsLogger:
         self.start_step = start_step
         self.t0 = time.monotonic()
         self.log_dir = log_dir
+        self.failure: str | None = None  # why the last record could not be written
         if not enabled:
             return
         os.makedirs(log_dir, exist_ok=True)
@@ -66,8 +67,12 @@ class MetricsLogger:
         if not self.enabled:
             return
         record = {"step": step, **{k: float(v) for k, v in metrics.items()}}
-        self.jsonl.write(json.dumps(record) + "\n")
-        self.jsonl.flush()
+        try:
+            self._append(json.dumps(record) + "\n")
+        except OSError as e:  # a full or read-only --log-dir: the loop stops every rank with it
+            self.failure = (f"--log-dir {self.log_dir}: cannot write the metrics of step {step} "
+                            f"({e.strerror or e}); metrics.jsonl keeps the steps before it")
+            return
         for k, v in record.items():
             if k != "step":
                 self.tb.add_scalar(k, v, step)
@@ -76,6 +81,17 @@ class MetricsLogger:
             self.wandb.log({k: v for k, v in record.items() if k != "step"}, step=step)
         if step % self.log_interval == 0 or step == self.total_steps:
             print(self.progress_line(step, record), flush=True)
+
+    def _append(self, line: str) -> None:
+        """One whole line or none: a failed write is cut back to the file's previous end."""
+        end = self.jsonl.tell()
+        try:
+            self.jsonl.write(line)
+            self.jsonl.flush()
+        except OSError:
+            self.jsonl.seek(end)
+            self.jsonl.truncate()
+            raise
 
     def progress_line(self, step: int, record: dict) -> str:
         done = step - self.start_step

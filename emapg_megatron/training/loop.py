@@ -19,8 +19,12 @@ from megatron.core import parallel_state as ps
 from emapg_megatron import runtime
 from emapg_megatron.checkpoint import training as checkpointing
 from emapg_megatron.checkpoint.convert import METADATA
-from emapg_megatron.errors import SkippedStepsError, agreed
-from emapg_megatron.training.collectives import any_true, gather_objects_to_first
+from emapg_megatron.errors import RunError, SkippedStepsError, agreed
+from emapg_megatron.training.collectives import (
+    any_true,
+    gather_objects_to_first,
+    on_rank0,
+)
 from emapg_megatron.training.config import CheckpointConfig, LogConfig, LoopConfig
 from emapg_megatron.training.optimizer_step import check_weights
 
@@ -114,6 +118,10 @@ class StopFlag:
         return any_true(self.requested_at is not None)
 
 
+def _raise(error: Exception):
+    raise error
+
+
 def gathered_samples(trainer) -> list:
     """The step's ``(prompt, response, reward)`` of every DP rank, on global rank 0 (one
     model-parallel rank per DP rank holds them: they are alike across the group)."""
@@ -132,6 +140,8 @@ def run_steps(loop: LoopConfig, ckpt: CheckpointConfig, trainer, logger, start: 
     for iteration in range(start + 1, loop.train_iters + 1):
         metrics = trainer.step(iteration)
         logger.log(iteration, metrics)
+        if any_true(logger.failure is not None):  # only rank 0 writes: every rank stops with it
+            on_rank0(lambda: _raise(RunError(logger.failure)))
         if log is not None and log.dumps_rollouts(iteration):
             logger.dump_rollouts(iteration, gathered_samples(trainer))
         if metrics.get("zero_std_group_frac") == 1.0 and not zero_variance:

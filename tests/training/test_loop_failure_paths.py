@@ -149,3 +149,29 @@ def test_a_step_without_reward_variance_is_said_once_per_streak_and_rollouts_are
     (out,) = run_distributed(loop_with_fixed_metrics, 1, args=([0.5, 1.0, 1.0, 0.0, 1.0],))
     assert out["warned_at"] == [2, 5]  # the first step of each streak where every group had one reward
     assert out["dumps"] == [(2, [("p2", "r2", 1.0)]), (4, [("p4", "r4", 1.0)])]
+
+
+def test_a_log_dir_that_fills_up_stops_every_rank_in_one_line_and_keeps_whole_lines(tmp_path, monkeypatch):
+    from trainer_workers import loop_with_fixed_metrics
+
+    from emapg_megatron.metrics import MetricsLogger
+    from emapg_megatron.multiprocess import run_distributed
+
+    (out,) = run_distributed(loop_with_fixed_metrics, 1, args=([0.0, 0.0, 0.0], 2))
+    assert out["error"] == ("--log-dir x: cannot write the metrics of step 2 (No space left on device)", True)
+    # the logger itself: a write cut short by a full disk leaves no half line behind
+    log = MetricsLogger(str(tmp_path), total_steps=3)
+    log.log(1, {"kl": 0.1})
+    real_write = log.jsonl.write
+
+    def full_disk(text):
+        real_write(text[:7])
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(log.jsonl, "write", full_disk)
+    log.log(2, {"kl": 0.2})
+    assert log.failure == (f"--log-dir {tmp_path}: cannot write the metrics of step 2 (No space left on "
+                           "device); metrics.jsonl keeps the steps before it")
+    monkeypatch.undo()
+    log.jsonl.flush()
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1, "kl": 0.1}\n'

@@ -82,10 +82,11 @@ def training_checkpoint_job(root: str) -> dict:
     return out
 
 
-def loop_with_fixed_metrics(fracs: list) -> dict:
+def loop_with_fixed_metrics(fracs: list, failing_step: int | None = None) -> dict:
     """``training.loop.run_steps`` over a stand-in trainer whose steps report the given
-    ``zero_std_group_frac`` and one sample each, with rollout dumps every 2 steps: the warnings
-    and dumps the loop makes."""
+    ``zero_std_group_frac`` and one sample each, with rollout dumps every 2 steps, and a logger
+    that cannot write from ``failing_step`` on: the warnings and dumps the loop makes, and the
+    error it stops with."""
     from emapg_megatron.training import loop
     from emapg_megatron.training.config import CheckpointConfig, LogConfig, LoopConfig
 
@@ -98,10 +99,11 @@ def loop_with_fixed_metrics(fracs: list) -> dict:
             return {"zero_std_group_frac": fracs[it - 1]}
 
     class Logger:
-        warnings, dumps = [], []
+        warnings, dumps, failure = [], [], None
 
         def log(self, step, metrics):
-            pass
+            if step == failing_step:
+                self.failure = f"--log-dir x: cannot write the metrics of step {step} (No space left on device)"
 
         def warn(self, message):
             self.warnings.append(message)
@@ -109,7 +111,13 @@ def loop_with_fixed_metrics(fracs: list) -> dict:
         def dump_rollouts(self, step, samples):
             self.dumps.append((step, samples))
 
-    logger = Logger()
-    loop.run_steps(LoopConfig(train_iters=len(fracs)), CheckpointConfig(), Trainer(), logger, 0,
-                   log=LogConfig(rollout_dump_interval=2))
-    return {"warned_at": [int(w.split(":")[0].split()[1]) for w in logger.warnings], "dumps": logger.dumps}
+    from emapg_megatron.errors import RunError
+
+    logger, error = Logger(), None
+    try:
+        loop.run_steps(LoopConfig(train_iters=len(fracs)), CheckpointConfig(), Trainer(), logger, 0,
+                       log=LogConfig(rollout_dump_interval=2))
+    except RunError as e:
+        error = (str(e), getattr(e, "agreed", False))
+    return {"warned_at": [int(w.split(":")[0].split()[1]) for w in logger.warnings], "dumps": logger.dumps,
+            "error": error}

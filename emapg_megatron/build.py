@@ -138,7 +138,8 @@ def build_tokenizer_and_task(cfg: RunConfig):
 def load_prompts(cfg: RunConfig, tokenizer, task):
     """The training prompts, checked: readable data, every prompt fits --seq-length."""
     return load_training_prompts(task, cfg.task.data_path, tokenizer, seq_length=cfg.step.seq_length,
-                                 max_new_tokens=cfg.step.max_new_tokens, long_prompts=cfg.task.long_prompts)
+                                 max_new_tokens=cfg.step.max_new_tokens, long_prompts=cfg.task.long_prompts,
+                                 fields=cfg.task.fields() or None)
 
 
 def model_config(cfg: RunConfig) -> ModelConfig:

@@ -21,9 +21,10 @@ from emapg_megatron.errors import ConfigError
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 GOLDEN = os.path.join(HERE, "cli_flags_at_375884d.json")  # the hand-written parser's flags and defaults
-FREE_TEXT = {"--preset", "--config", "--retriever", "--wandb-project", "--wandb-exp-name"}  # free strings
+FREE_TEXT = {"--preset", "--config", "--retriever", "--wandb-project", "--wandb-exp-name", "--prompt-key",
+             "--answer-key"}  # free strings
 ADDED = {"--overwrite", "--kl-reference-clamps", "--rollout-dump-interval", "--wandb-project",
-         "--wandb-exp-name"}  # flags added since, on purpose
+         "--wandb-exp-name", "--prompt-key", "--answer-key"}  # flags added since, on purpose
 
 
 def _options():

@@ -45,7 +45,7 @@ from typing import (
     runtime_checkable,
 )
 
-from .data import load_rows
+from .data import MissingColumnError, load_rows
 
 __all__ = [
     "TokenizerLike",
@@ -127,6 +127,31 @@ def _has_chat_template(tokenizer: Any) -> bool:
     if hasattr(tokenizer, "chat_template"):
         return bool(getattr(tokenizer, "chat_template"))
     return True
+
+
+def as_messages(value: Any) -> Optional[list[dict]]:
+    """``value`` as chat messages (a list of ``{"role", "content"}`` with string values, as verl's
+    ``prompt`` column holds), or None when it is not one."""
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__") or isinstance(value, Mapping):
+        return None
+    messages = list(value)
+    if not messages or not all(isinstance(m, Mapping) and isinstance(m.get("role"), str)
+                               and isinstance(m.get("content"), str) for m in messages):
+        return None
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+def render_messages(messages: list[dict], tokenizer: Any = None, *, chat_template: str = "auto") -> str:
+    """Chat messages as the prompt string: through the tokenizer's chat template (``auto``: when
+    it has one; ``always``: required), else their contents joined by blank lines (documented in
+    docs/tasks.md: a base model without a template sees the text only)."""
+    use_chat = chat_template == "always" or (chat_template == "auto" and _has_chat_template(tokenizer))
+    if not use_chat:
+        return "\n\n".join(m["content"] for m in messages)
+    if not _has_chat_template(tokenizer):
+        raise ValueError("chat_template='always' but the tokenizer has no chat template")
+    out = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return out if isinstance(out, str) else tokenizer.decode(list(out))
 
 
 def render_prompt(
@@ -255,6 +280,10 @@ class Task(abc.ABC):
     #: full first turn within the sequence length.
     max_turn_tokens: Optional[int] = None
 
+    #: another layout of the same fields, used when a file has none of the default columns it
+    #: needs and no ``fields`` were given (verl's: ``prompt`` messages, ``reward_model.ground_truth``)
+    alternative_fields: Optional[Mapping[str, str]] = None
+
     # ----- data -----------------------------------------------------------------------------
     def load(self, path: str, *, fields: Optional[Mapping[str, str]] = None,
              on_bad_row: str = "skip", limit: Optional[int] = None, **load_kwargs: Any):
@@ -262,8 +291,19 @@ class Task(abc.ABC):
 
         ``load_kwargs`` go to :func:`.data.load_rows` (``return_report``, ``map_hint``, ``warn``).
         """
-        mapping = dict(self.default_fields)
-        mapping.update(fields or {})
+        try:
+            return self._load(path, {**self.default_fields, **(fields or {})}, on_bad_row, limit, load_kwargs)
+        except MissingColumnError as e:
+            alternative = self.alternative_fields
+            if fields or alternative is None or not self._has_columns(alternative, e.found):
+                raise
+            return self._load(path, dict(alternative), on_bad_row, limit, load_kwargs)
+
+    def _has_columns(self, mapping: Mapping[str, str], found) -> bool:
+        """Whether a file with columns ``found`` has the top-level column of every required field."""
+        return {mapping[f].split(".")[0] for f in self.required_fields} <= set(found)
+
+    def _load(self, path: str, mapping: dict, on_bad_row: str, limit, load_kwargs: dict):
         return load_rows(
             path,
             fields=mapping,

@@ -22,6 +22,14 @@ class TaskConfig:
     """RL task providing prompts and rewards."""
     data_path: str | None = option(None, path="exists")
     """Local parquet/jsonl training data (math and search tasks)."""
+    prompt_key: str | None = option(None)
+    """Column of the prompt (default: math's problem, or verl's prompt when the file has no
+    problem column; search's question). It may hold text or chat messages (a list of
+    {role, content}, rendered with the tokenizer's chat template); a dotted name reaches into a
+    nested field."""
+    answer_key: str | None = option(None)
+    """Column of the reference answer (default: math's answer, or verl's
+    reward_model.ground_truth; search's golden_answers); dotted for a nested field."""
     long_prompts: str = option("error", choices=LONG_PROMPT_MODES)
     """Prompts longer than --seq-length minus --max-new-tokens (search: --max-turn-tokens): error
     stops before training with their count and first row; drop leaves them out and logs the count."""
@@ -39,6 +47,12 @@ class TaskConfig:
     """search: corpus jsonl (in-process BM25) or http:// URL of a retriever service."""
     retriever_topk: int = option(3, range=at_least(1))
     """search: passages per search."""
+
+    def fields(self) -> dict[str, str]:
+        """The task's canonical fields mapped to the columns --prompt-key / --answer-key name."""
+        answer = {"math": "ground_truth", "search": "golden_answers"}.get(self.name)
+        keys = {"question": self.prompt_key, answer: self.answer_key}
+        return {field: column for field, column in keys.items() if field and column}
 
     @property
     def built_in(self) -> bool:

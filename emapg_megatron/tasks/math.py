@@ -40,7 +40,7 @@ from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from typing import Any, Mapping, Optional, Sequence, Union
 
-from .base import Task, _iter_rows, render_prompt
+from .base import Task, _iter_rows, as_messages, render_messages, render_prompt
 
 logger = logging.getLogger(__name__)
 
@@ -734,6 +734,9 @@ class MathTask(Task):
     name = "math"
     multi_turn = False
     required_fields = ("question", "ground_truth")
+    #: verl's layout (DeepScaleR, GSM8K as verl and the paper's reference code ship them)
+    alternative_fields = {"question": "prompt", "ground_truth": "reward_model.ground_truth",
+                          "data_source": "data_source"}
 
     def __init__(self, config: Optional[MathConfig] = None, **overrides: Any) -> None:
         require_math_verify()
@@ -761,7 +764,7 @@ class MathTask(Task):
             row["ground_truth"] = str(gt)
         elif not isinstance(gt, str):
             raise ValueError(f"ground_truth has type {type(gt).__name__}")
-        row["question"] = str(row["question"])
+        row["question"] = as_messages(row["question"]) or str(row["question"])
         if not row.get("data_source"):
             row["data_source"] = os.path.splitext(row.get("_file") or "math")[0]
         return row
@@ -779,6 +782,9 @@ class MathTask(Task):
         return gt
 
     def prompt(self, row: Mapping[str, Any], tokenizer: Any = None) -> str:
+        messages = as_messages(row["question"])
+        if messages is not None:  # verl-style chat prompt: it carries its own instruction
+            return render_messages(messages, tokenizer, chat_template=self.config.chat_template)
         user = str(row["question"]).strip()
         if self.config.instruction:
             user = f"{user} {self.config.instruction}"

@@ -66,3 +66,10 @@ def test_evaluate_load_runs_on_cpu_with_the_megatron_sampler(tiny_hf, tmp_path):
     assert len(lines) == 36 and all(len(json.loads(x)["responses"]) == 2 for x in lines)
     assert "pass@1" in json.dumps(results).lower()
     assert (out / "passk.png").is_file()
+
+
+def test_math_task_trains_on_a_verl_format_file(tiny_hf, tmp_path):
+    ms = run_task(tmp_path, ["math", "--load-hf", tiny_hf, "--data-path",
+                             os.path.join(SAMPLES, "verl_deepscaler.parquet"), "--seq-length", "192",
+                             "--max-new-tokens", "8"])
+    assert [m["step"] for m in ms] == [1, 2]

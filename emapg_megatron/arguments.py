@@ -33,6 +33,7 @@ from emapg_megatron.rollout.config import SamplerConfig, VLLMConfig
 from emapg_megatron.tasks.config import TaskConfig
 from emapg_megatron.training.config import (
     CheckpointConfig,
+    EvalConfig,
     LogConfig,
     LoopConfig,
     OptimConfig,
@@ -69,6 +70,7 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     step: StepConfig = field(default_factory=StepConfig)
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
@@ -140,6 +142,9 @@ def validate(cfg: RunConfig, world_size: int) -> None:
     cfg.optim.validate()
     cfg.checkpoint.validate()
     cfg.log.validate()
+    cfg.eval.validate()
+    _check(not cfg.eval.eval_interval or cfg.task.built_in or cfg.eval.eval_data_path is not None,
+           f"--eval-interval needs --eval-data-path (held-out prompts of --task {cfg.task.name})")
     cfg.task.validate(cfg.model.load_hf)
     cfg.sampler.validate()
     cfg.vllm.check_settings(trainer_tp=cfg.parallel.tensor_model_parallel_size)

@@ -67,6 +67,8 @@ class RunInputs:
     """The RL task: prompts and rewards."""
     prompts: object
     """The checked training prompts (:class:`~emapg_megatron.training.prompt_data.TrainingPrompts`)."""
+    eval_rows: list | None = None
+    """Held-out rows for --eval-interval (checked like the training prompts), or None."""
 
 
 def prepare(argv=None) -> RunInputs:
@@ -79,7 +81,8 @@ def prepare(argv=None) -> RunInputs:
     if cfg.model.pretrained_checkpoint:
         check_pretrained_architecture(model_cfg, cfg.model.pretrained_checkpoint)
     tokenizer, task = build_tokenizer_and_task(cfg)
-    return RunInputs(cfg, model_cfg, tokenizer, task, load_prompts(cfg, tokenizer, task))
+    return RunInputs(cfg, model_cfg, tokenizer, task, load_prompts(cfg, tokenizer, task),
+                     load_eval_rows(cfg, tokenizer, task))
 
 
 def describe(inputs: RunInputs) -> str:
@@ -108,6 +111,15 @@ def build_trainer(inputs: RunInputs) -> Trainer:
                    task=inputs.task, tokenizer=inputs.tokenizer,
                    passes=PolicyPasses(cfg.kl, cfg.loss, model_cfg.vocab_size, head),
                    step_cfg=cfg.step, data=PromptSchedule(inputs.prompts.rows, cfg.loop.seed))
+
+
+def evaluation(inputs: RunInputs, trainer: Trainer):
+    """``step -> {eval/pass@k: ...}`` on the steps --eval-interval names ({} on the others), or
+    None without evaluation."""
+    ev, rows = inputs.config.eval, inputs.eval_rows
+    if rows is None:
+        return None
+    return lambda step: trainer.evaluate(rows, ev.eval_samples, step) if ev.due(step) else {}
 
 
 def load_initial_weights(chunks, optimizer, cfg: RunConfig, model_cfg: ModelConfig) -> None:
@@ -140,6 +152,22 @@ def load_prompts(cfg: RunConfig, tokenizer, task):
     return load_training_prompts(task, cfg.task.data_path, tokenizer, seq_length=cfg.step.seq_length,
                                  max_new_tokens=cfg.step.max_new_tokens, long_prompts=cfg.task.long_prompts,
                                  fields=cfg.task.fields() or None)
+
+
+def load_eval_rows(cfg: RunConfig, tokenizer, task) -> list | None:
+    """--eval-interval's held-out rows (the first --eval-max-prompts), checked as the training
+    prompts are; at least one per data-parallel rank."""
+    ev = cfg.eval
+    if not ev.eval_interval:
+        return None
+    rows = load_training_prompts(task, ev.eval_data_path, tokenizer, seq_length=cfg.step.seq_length,
+                                 max_new_tokens=cfg.step.max_new_tokens, long_prompts=cfg.task.long_prompts,
+                                 fields=cfg.task.fields() or None).rows[:ev.eval_max_prompts]
+    dp = cfg.parallel.data_parallel_size(world_size_from_env(cfg.launch))
+    if len(rows) < dp:
+        raise ConfigError(f"--eval-data-path has {len(rows)} usable prompts: evaluation needs at least "
+                          f"one per data-parallel rank ({dp})")
+    return rows
 
 
 def model_config(cfg: RunConfig) -> ModelConfig:

@@ -53,7 +53,8 @@ def run(argv=None) -> int:
                                wandb_name=log.wandb_exp_name, run_config=cfg.flags())
         try:
             record = loop.RunRecord(cfg.flags(), build.model_metadata(inputs))
-            loop.run_steps(cfg.loop, cfg.checkpoint, trainer, logger, start, record, log)
+            loop.run_steps(cfg.loop, cfg.checkpoint, trainer, logger, start, record, log,
+                           build.evaluation(inputs, trainer))
         finally:
             png = logger.close()  # also after a stop on non-finite steps: the curves show it
         if png:

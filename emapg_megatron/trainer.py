@@ -27,6 +27,7 @@ from emapg_megatron.parallel import kl_from_policy_terms
 from emapg_megatron.parallel.output_heads import LogitsHead
 from emapg_megatron.rollout.engine import logprob_mismatch
 from emapg_megatron.tasks.base import encode_text
+from emapg_megatron.tasks.passk import default_ks, pass_at_k
 from emapg_megatron.training import packing, sequence_balance
 from emapg_megatron.training.collectives import gather_at, gather_cat, reduce_sum
 from emapg_megatron.training.microbatches import layout_of, microbatching
@@ -35,6 +36,7 @@ from emapg_megatron.training.optimizer_step import check_weights, step_if_finite
 from emapg_megatron.training.schedule import forward_backward, forward_only
 
 LOSS_KEYS = ("pg_loss", "kl", "clip_frac", "entropy", "rollout_is_corrected", "tokens")
+EVAL_RNG_OFFSET = 10**9  # evaluation samples are keyed apart from every training step's
 
 
 def shifted(per_token: torch.Tensor) -> torch.Tensor:
@@ -192,13 +194,17 @@ class Trainer:
         mine = self.local_prompt_indices()
         local_rows = [rows[i] for i in mine]
         self.prompt_texts = [self.task.prompt(r, self.tokenizer) for r in local_rows]
-        prompts = [encode_text(self.tokenizer, text) for text in self.prompt_texts]
-        n = self.cfg.num_samples
-        seq_rows = [r for r in local_rows for _ in range(n)]
-        seq_index = [i * n + k for i in mine for k in range(n)]
+        return self.sample(local_rows, mine, self.cfg.num_samples, iteration, self.prompt_texts)
+
+    def sample(self, rows: list, positions: list[int], n: int, rng_step: int, prompt_texts: list[str]):
+        """``n`` responses to each of ``rows`` (at ``positions`` of the step's global batch, which
+        key their samples): (batch, one row per sequence, response texts)."""
+        prompts = [encode_text(self.tokenizer, text) for text in prompt_texts]
+        seq_rows = [r for r in rows for _ in range(n)]
+        seq_index = [i * n + k for i in positions for k in range(n)]
         common = dict(temperature=self.cfg.temperature, top_p=self.cfg.top_p,
                       max_new_tokens=self.cfg.max_new_tokens, stop=self.task.stop_strings or None,
-                      rng_step=iteration, seq_index=seq_index)
+                      rng_step=rng_step, seq_index=seq_index)
         if self.task.multi_turn:
             envs = [self.task.make_env(r, self.tokenizer) for r in seq_rows]
             batch, episodes = self.sampler.generate_episodes(prompts, n, envs,
@@ -206,6 +212,20 @@ class Trainer:
             return batch, seq_rows, [ep.response_text for ep in episodes]
         batch = self.sampler.generate(prompts, n, **common)
         return batch, seq_rows, [self.tokenizer.decode(r) for r in batch.responses]
+
+    def evaluate(self, rows: list, n: int, iteration: int) -> dict:
+        """Pass@k (k = 1, 2, 4, ..., n) on held-out ``rows``: ``n`` samples each at the run's
+        sampling settings, the rows split over DP ranks; the same on every rank."""
+        dp, dp_rank, _ = self._dp()
+        positions = list(range(dp_rank, len(rows), dp))
+        mine = [rows[i] for i in positions]
+        texts = [self.task.prompt(r, self.tokenizer) for r in mine]
+        _, seq_rows, responses = self.sample(mine, positions, n, EVAL_RNG_OFFSET + iteration, texts)
+        correct = self.task.correct_many(responses, seq_rows)
+        counts = [sum(correct[i * n:(i + 1) * n]) for i in range(len(mine))]
+        sums = {f"eval/pass@{k}": sum(pass_at_k(n, c, k) for c in counts) for k in default_ks(n)}
+        sums = reduce_sum({**sums, "prompts": float(len(mine))}, group=self._dp()[2])
+        return {k: v / sums["prompts"] for k, v in sums.items() if k != "prompts"}
 
     def score(self, texts: list[str], rows) -> torch.Tensor:
         return torch.tensor(self.task.rewards(texts, rows), dtype=torch.float32, device=runtime.device())

@@ -24,7 +24,8 @@ GOLDEN = os.path.join(HERE, "cli_flags_at_375884d.json")  # the hand-written par
 FREE_TEXT = {"--preset", "--config", "--retriever", "--wandb-project", "--wandb-exp-name", "--prompt-key",
              "--answer-key"}  # free strings
 ADDED = {"--overwrite", "--kl-reference-clamps", "--rollout-dump-interval", "--wandb-project",
-         "--wandb-exp-name", "--prompt-key", "--answer-key"}  # flags added since, on purpose
+         "--wandb-exp-name", "--prompt-key", "--answer-key", "--eval-interval", "--eval-data-path",
+         "--eval-samples", "--eval-max-prompts"}  # flags added since, on purpose
 
 
 def _options():

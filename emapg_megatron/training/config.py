@@ -133,6 +133,27 @@ class LoopConfig:
 
 
 @dataclass
+class EvalConfig:
+    """Periodic evaluation on held-out prompts during training."""
+
+    eval_interval: int = option(0, range=at_least(0))
+    """Every N steps, sample --eval-samples responses to each held-out prompt and log Pass@k
+    (eval/pass@1, eval/pass@2, ..., eval/pass@N) with the step's metrics; 0: off."""
+    eval_data_path: str | None = option(None, path="exists")
+    """Held-out prompts (parquet/jsonl, the task's columns); the built-in task uses its own rows."""
+    eval_samples: int = option(4, range=at_least(1))
+    """Responses per held-out prompt (the n of Pass@k)."""
+    eval_max_prompts: int = option(64, range=at_least(1))
+    """Evaluate at most this many prompts of the file (its first ones)."""
+
+    def due(self, step: int) -> bool:
+        return bool(self.eval_interval) and step % self.eval_interval == 0
+
+    def validate(self) -> None:
+        check_fields(self)
+
+
+@dataclass
 class CheckpointConfig:
     """Where checkpoints are written and read."""
 

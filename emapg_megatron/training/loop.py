@@ -132,13 +132,16 @@ def gathered_samples(trainer) -> list:
 
 
 def run_steps(loop: LoopConfig, ckpt: CheckpointConfig, trainer, logger, start: int,
-              record: RunRecord | None = None, log: LogConfig | None = None) -> int:
+              record: RunRecord | None = None, log: LogConfig | None = None, evaluate=None) -> int:
     """Steps ``start + 1 ..`` --train-iters, a checkpoint (with ``record``) on the interval, at the
-    end and on a signal; returns the last step run."""
+    end and on a signal; ``evaluate(step)`` adds its metrics (held-out Pass@k) to a step's.
+    Returns the last step run."""
     stop = StopFlag()
     iteration, zero_variance = start, False
     for iteration in range(start + 1, loop.train_iters + 1):
         metrics = trainer.step(iteration)
+        if evaluate is not None:
+            metrics.update(evaluate(iteration))
         logger.log(iteration, metrics)
         if any_true(logger.failure is not None):  # only rank 0 writes: every rank stops with it
             on_rank0(lambda: _raise(RunError(logger.failure)))

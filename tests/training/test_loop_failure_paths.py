@@ -175,3 +175,17 @@ def test_a_log_dir_that_fills_up_stops_every_rank_in_one_line_and_keeps_whole_li
     monkeypatch.undo()
     log.jsonl.flush()
     assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1, "kl": 0.1}\n'
+
+
+def test_held_out_pass_at_k_is_the_mean_over_every_dp_ranks_prompts():
+    from trainer_workers import evaluate_with_known_answers
+
+    from emapg_megatron.multiprocess import run_distributed
+    from emapg_megatron.tasks.passk import pass_at_k
+
+    counts = (0, 1, 3, 4, 2)  # correct samples of each of 5 prompts, 4 samples each
+    expected = {f"eval/pass@{k}": sum(pass_at_k(4, c, k) for c in counts) / 5 for k in (1, 2, 4)}
+    for out in run_distributed(evaluate_with_known_answers, 2, args=(4,)):  # 3 prompts on rank 0, 2 on 1
+        assert out.keys() == expected.keys()
+        for k, v in expected.items():
+            assert abs(out[k] - v) < 1e-12, (k, out[k], v)

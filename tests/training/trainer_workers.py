@@ -121,3 +121,40 @@ def loop_with_fixed_metrics(fracs: list, failing_step: int | None = None) -> dic
         error = (str(e), getattr(e, "agreed", False))
     return {"warned_at": [int(w.split(":")[0].split()[1]) for w in logger.warnings], "dumps": logger.dumps,
             "error": error}
+
+
+def evaluate_with_known_answers(n: int) -> dict:
+    """``Trainer.evaluate`` over DP ranks with a stand-in sampler whose response to a prompt is
+    correct for the first ``c`` of its ``n`` samples, ``c`` being the row's ``c``: Pass@k as the
+    trainer computes it, on every rank."""
+    from emapg_megatron.algo.config import StepConfig
+    from emapg_megatron.trainer import Trainer
+
+    class Batch:
+        pass
+
+    class Sampler:
+        def generate(self, prompts, n, **kw):
+            batch = Batch()
+            batch.responses = [[k] for _ in prompts for k in range(n)]
+            return batch
+
+    class Task:
+        multi_turn, stop_strings = False, []
+
+        def prompt(self, row, tokenizer):
+            return str(row["c"])
+
+        def correct_many(self, responses, rows):
+            return [int(resp) < row["c"] for resp, row in zip(responses, rows)]
+
+    class Tokenizer:
+        def encode(self, text, add_special_tokens=False):
+            return [1]
+
+        def decode(self, ids):
+            return str(ids[0])
+
+    trainer = Trainer(model_chunks=None, optimizer=None, scheduler=None, anchor=None, sampler=Sampler(),
+                      task=Task(), tokenizer=Tokenizer(), passes=None, step_cfg=StepConfig(), data=None)
+    return trainer.evaluate([{"c": c} for c in (0, 1, 3, 4, 2)], n, iteration=7)

@@ -13,7 +13,17 @@ Two sources of responses:
   the loaded rows in order, and the counts must agree.
 * ``--load CKPT``: generate with a model through ``emapg_megatron.rollout`` (imported lazily;
   it must provide ``load_generation_backend(ckpt, **generation_kwargs)`` returning a
-  :class:`GenerationBackend`). Generated responses are written to ``OUT/responses.jsonl``.
+  :class:`GenerationBackend`). Generated responses are written to ``OUT/responses.jsonl`` as
+  they are generated (``_GEN_CHUNK`` samples at a time, with a progress line on stderr), so a
+  failed run keeps the rows it finished.
+
+Budgets with ``--load``: ``--max-new-tokens`` is the length of a single-turn response; a
+multi-turn task (search) gives each model turn ``--max-turn-tokens`` (default: the task's own;
+0: ``--max-new-tokens``), like the trainer.
+
+Every user-facing failure (unreadable data or responses, a checkpoint that does not load, a
+missing retriever, a generation that fails) is one ``error:`` line and exit code 2; ``-v`` adds
+the underlying traceback.
 
 Outputs in ``--out``: ``results.json``, ``results.md`` (one table, a row per data source plus
 the overall row), ``passk.png`` (Pass@k curves) and ``scores.jsonl`` (per-row correctness).
@@ -29,6 +39,8 @@ import json
 import logging
 import os
 import sys
+import time
+import traceback
 from collections import OrderedDict
 from typing import Any, Mapping, Optional, Protocol, Sequence
 
@@ -36,9 +48,15 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from .tasks import get_task
+from .tasks.data import MAX_JSON_DEPTH, json_too_deep
 from .tasks.passk import _check, default_ks, mean_pass_at_k
 
 logger = logging.getLogger("emapg_megatron.evaluate")
+
+#: samples generated per backend call (and written, and counted by the progress line, at once)
+_GEN_CHUNK = 256
+#: --max-new-tokens when not given
+DEFAULT_MAX_NEW_TOKENS = 1024
 
 __all__ = [
     "GenerationBackend",
@@ -74,17 +92,11 @@ def read_responses(path: str, rows: Sequence[Mapping[str, Any]], n_samples: int)
     if not os.path.exists(path):
         raise EvalError(f"responses file not found: {path}")
     records = []
-    with open(path, "r", encoding="utf-8") as f:
-        for ln, line in enumerate(f):
-            line = line.strip()
-            if not line:
+    with open(path, "rb") as f:
+        for ln, raw in enumerate(f):
+            rec = _response_record(path, ln, raw)
+            if rec is None:
                 continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise EvalError(f"{path}: line {ln} is not valid JSON ({e.msg})") from None
-            if not isinstance(rec, dict):
-                raise EvalError(f"{path}: line {ln} is not a JSON object")
             if "responses" in rec:
                 resps = rec["responses"]
                 if isinstance(resps, str):
@@ -95,6 +107,10 @@ def read_responses(path: str, rows: Sequence[Mapping[str, Any]], n_samples: int)
                 raise EvalError(f"{path}: line {ln} has neither 'responses' nor 'response'")
             if not isinstance(resps, list) or not all(isinstance(r, str) for r in resps):
                 raise EvalError(f"{path}: line {ln}: responses must be strings")
+            if "index" in rec and (isinstance(rec["index"], bool) or not isinstance(rec["index"], int)):
+                raise EvalError(f"{path}: line {ln}: 'index' must be an integer, got {rec['index']!r:.40}")
+            if not isinstance(rec.get("file", ""), str):
+                raise EvalError(f"{path}: line {ln}: 'file' must be a string")
             records.append((ln, rec, resps))
 
     multi_file = len({r.get("_file") for r in rows}) > 1
@@ -131,6 +147,25 @@ def read_responses(path: str, rows: Sequence[Mapping[str, Any]], n_samples: int)
     return [resps[:n_samples] for resps in by_row]
 
 
+def _response_record(path: str, ln: int, raw: bytes) -> Optional[dict]:
+    """One line of a responses file as a JSON object (None for a blank line)."""
+    try:
+        line = raw.decode("utf-8").strip()
+    except UnicodeDecodeError as e:
+        raise EvalError(f"{path}: line {ln} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    if not line:
+        return None
+    if json_too_deep(line):
+        raise EvalError(f"{path}: line {ln} is nested deeper than {MAX_JSON_DEPTH} levels")
+    try:
+        rec = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise EvalError(f"{path}: line {ln} is not valid JSON ({e.msg})") from None
+    if not isinstance(rec, dict):
+        raise EvalError(f"{path}: line {ln} is not a JSON object")
+    return rec
+
+
 def generate_responses(task, rows: Sequence[Mapping[str, Any]], backend: GenerationBackend, n: int,
                        tokenizer: Any = None) -> list[list[str]]:
     """Sample ``n`` responses per row; multi-turn tasks run their environment between turns."""
@@ -148,7 +183,8 @@ def generate_responses(task, rows: Sequence[Mapping[str, Any]], backend: Generat
     while active:
         texts = [episodes[i][1] + episodes[i][2].response_text for i in active]
         env0 = episodes[active[0]][2]
-        outs = backend(texts, 1, stop=task.stop_strings or None, max_new_tokens=env0.max_turn_tokens)
+        outs = backend(texts, 1, stop=task.stop_strings or None,
+                       max_new_tokens=env0.max_turn_tokens or None)  # None: the backend's own
         still = []
         for i, o in zip(active, outs):
             res = episodes[i][2].step(o[0] if o else "")
@@ -173,7 +209,90 @@ def load_backend(ckpt: str, **gen_kwargs: Any) -> GenerationBackend:
     try:
         return factory(ckpt, **gen_kwargs)
     except ValueError as e:  # ConfigError included: a user error, one line
-        raise EvalError(str(e)) from None
+        raise EvalError(str(e)) from e
+    except Exception as e:  # noqa: BLE001 - a checkpoint that does not load (-v: the traceback)
+        raise EvalError(f"--load {ckpt}: cannot load the model ({_reason(e)})") from e
+
+
+def _reason(e: BaseException, limit: int = 300) -> str:
+    """``e`` on one line; named by its type unless it is a ValueError (a user-facing message)."""
+    text = " ".join(str(e).split())
+    text = text if len(text) <= limit else text[:limit - 3] + "..."
+    return text if isinstance(e, ValueError) else f"{type(e).__name__}: {text}"
+
+
+class _Progress:
+    """``generated D/T responses (P%), R/s, ~Ss left`` on stderr: redrawn in place on a terminal,
+    else a line at most every ``every`` seconds, and always at the end."""
+
+    def __init__(self, total: int, stream=None, every: float = 30.0):
+        self.total, self.stream = total, stream or sys.stderr
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.every = 0.5 if self.tty else every
+        self.start = self.last = time.monotonic()
+
+    def update(self, done: int) -> None:
+        now = time.monotonic()
+        end = done >= self.total
+        if not end and now - self.last < self.every:
+            return
+        self.last = now
+        rate = done / max(now - self.start, 1e-6)
+        left = f", ~{(self.total - done) / rate:.0f}s left" if rate > 0 and not end else ""
+        line = (f"generated {done}/{self.total} responses ({100.0 * done / max(self.total, 1):.0f}%), "
+                f"{rate:.2f}/s{left}")
+        self.stream.write(("\r" + line + ("\n" if end else "")) if self.tty else line + "\n")
+        self.stream.flush()
+
+
+def _prepare_load(task, args, rows) -> None:
+    """What a --load run needs besides the model, checked before loading it."""
+    if not task.multi_turn:
+        return
+    corpus = "a corpus jsonl or the http:// URL of a retriever service"
+    if args.task == "search" and not args.retriever:
+        raise EvalError(f"--task search --load needs --retriever ({corpus})")
+    if args.retriever and not args.retriever.startswith(("http://", "https://")) \
+            and not os.path.isfile(args.retriever):
+        raise EvalError(f"--retriever {args.retriever}: no such corpus file (give {corpus})")
+    try:
+        task.make_env(rows[0])  # builds the retriever (loads and indexes a corpus)
+    except (ImportError, OSError, ValueError) as e:
+        what = f"--retriever {args.retriever}" if args.retriever else f"--task {args.task}"
+        raise EvalError(f"{what}: {_reason(e)}") from e
+    turn = getattr(task, "max_turn_tokens", None)
+    if args.max_new_tokens is not None and turn and args.max_new_tokens != turn:
+        logger.warning("--max-new-tokens %d is not used by --task %s: each model turn gets "
+                       "--max-turn-tokens %d (0: --max-new-tokens)", args.max_new_tokens,
+                       args.task, turn)
+
+
+def _generate_to_file(task, rows, backend, n: int, out_dir: str) -> list[list[str]]:
+    """Generate ``n`` responses per row, appending each chunk of rows to OUT/responses.jsonl as
+    it is done (a failure keeps the finished rows) and showing progress on stderr."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, "responses.jsonl")
+    tokenizer = getattr(backend, "tokenizer", None)
+    step = max(1, _GEN_CHUNK // n)
+    progress = _Progress(len(rows) * n)
+    responses: list[list[str]] = []
+    with open(path, "w", encoding="utf-8") as f:
+        for start in range(0, len(rows), step):
+            part = rows[start:start + step]
+            try:
+                got = generate_responses(task, part, backend, n, tokenizer=tokenizer)
+            except EvalError:
+                raise
+            except Exception as e:  # noqa: BLE001 - one line (-v: the traceback)
+                kept = f"; the {start} rows done are in {path}" if start else ""
+                raise EvalError(f"generation failed ({_reason(e)}){kept}") from e
+            for row, resps in zip(part, got):
+                f.write(json.dumps({"index": int(row["_index"]), "file": row.get("_file"),
+                                    "responses": resps}) + "\n")
+            f.flush()
+            responses.extend(got)
+            progress.update(len(responses) * n)
+    return responses
 
 
 # ----------------------------------------------------------------------------------------------
@@ -319,10 +438,15 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--think-end-tag", default=None, help="math: only grade text after this tag")
     ap.add_argument("--retriever", default=None, help="search: corpus jsonl or http:// URL (--load only)")
     ap.add_argument("--max-turns", type=int, default=None, help="search: model turns per episode")
+    ap.add_argument("--max-turn-tokens", type=int, default=None,
+                    help="search: token budget of one model turn (default: the task's own; "
+                         "0: --max-new-tokens)")
     # generation options (--load)
     ap.add_argument("--temperature", type=float, default=1.0, help="sampling temperature; 0: greedy")
     ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold in (0, 1]")
-    ap.add_argument("--max-new-tokens", type=int, default=1024)
+    ap.add_argument("--max-new-tokens", type=int, default=None,
+                    help=f"tokens of a single-turn response (default {DEFAULT_MAX_NEW_TOKENS}); "
+                         "search: each turn's budget only with --max-turn-tokens 0")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("-v", "--verbose", action="store_true")
     return ap
@@ -342,6 +466,10 @@ def _make_task(args) -> Any:
             kw["retriever"] = args.retriever
         if args.max_turns is not None:
             kw["max_turns"] = args.max_turns
+        if args.max_turn_tokens is not None:
+            if args.max_turn_tokens < 0:
+                raise EvalError("--max-turn-tokens must be >= 0 (0: --max-new-tokens)")
+            kw["max_turn_tokens"] = args.max_turn_tokens
     try:
         return get_task(args.task, **kw)
     except ImportError as e:
@@ -353,6 +481,8 @@ def _make_task(args) -> Any:
 def run(args) -> dict:
     if args.n_samples < 1:
         raise EvalError("--n-samples must be >= 1")
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
+        raise EvalError("--max-new-tokens must be >= 1")
     ks = default_ks(args.n_samples) if not args.k else _check(
         [int(x) for x in args.k.split(",") if x.strip()], args.n_samples)
     task = _make_task(args)
@@ -370,15 +500,11 @@ def run(args) -> dict:
             responses = read_responses(args.responses, rows, args.n_samples)
             source = {"responses": os.path.abspath(args.responses)}
         else:
+            _prepare_load(task, args, rows)
+            max_new = DEFAULT_MAX_NEW_TOKENS if args.max_new_tokens is None else args.max_new_tokens
             backend = load_backend(args.load, temperature=args.temperature, top_p=args.top_p,
-                                   max_new_tokens=args.max_new_tokens, seed=args.seed)
-            responses = generate_responses(task, rows, backend, args.n_samples,
-                                           tokenizer=getattr(backend, "tokenizer", None))
-            os.makedirs(args.out, exist_ok=True)
-            with open(os.path.join(args.out, "responses.jsonl"), "w") as f:
-                for row, resps in zip(rows, responses):
-                    f.write(json.dumps({"index": int(row["_index"]), "file": row.get("_file"),
-                                        "responses": resps}) + "\n")
+                                   max_new_tokens=max_new, seed=args.seed)
+            responses = _generate_to_file(task, rows, backend, args.n_samples, args.out)
             source = {"checkpoint": args.load}
         correct = score(task, rows, responses)
     finally:
@@ -397,6 +523,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         out = run(args)
     except EvalError as e:
+        if args.verbose and e.__cause__ is not None:
+            traceback.print_exception(e.__cause__)
         print(f"error: {e}", file=sys.stderr)
         return 2
     s = out["summary"]

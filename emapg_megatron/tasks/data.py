@@ -8,36 +8,56 @@ Field names are configurable: ``fields`` maps a canonical name (what the task re
 ``question``) to a column in the file (e.g. ``problem``). A dotted column reaches into nested
 structs, e.g. ``reward_model.ground_truth`` for verl-style parquet files.
 
-Bad rows (a required field missing, null or empty; a jsonl line that is not a JSON object; a
+Bad rows (a required field missing, null or empty; a jsonl line that is not a JSON object or is
+nested deeper than :data:`MAX_JSON_DEPTH` levels; a field holding a lone UTF-16 surrogate such
+as ``"\\ud800"``, which no tokenizer or file can encode, so it is refused, not replaced; a
 value the task cannot normalise) are never dropped silently: with ``on_bad_row="skip"`` they are
 skipped and a warning names their indices and the count; with ``on_bad_row="error"`` loading
 fails with :class:`BadRowError` listing them. The index is the 0-based row number in the file
 (for jsonl: the 0-based line number, blank lines included). Every loaded row keeps it in the
 ``_index`` column.
 
-Configuration errors are not bad rows: a file that cannot be read raises :class:`DataFileError`,
+Configuration errors are not bad rows: a file that cannot be read (a .json document nested
+deeper than :data:`MAX_JSON_DEPTH` levels included) raises :class:`DataFileError`,
 and a required column that no row has (for parquet: that the schema lacks, so an empty parquet is
 checked too) raises :class:`MissingColumnError` naming the columns found and the ones expected.
+
+A column whose values mix strings with numbers or bools across rows (e.g. a ``data_source`` of
+``"gsm8k"`` in one file and ``3`` in another) is loaded as strings; other mixes (a list in one
+row, a string in the next) raise :class:`DataFileError` naming the column.
 """
 from __future__ import annotations
 
 import json
 import logging
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import datasets
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+from datasets.table import InMemoryTable
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["BadRowError", "DataFileError", "MissingColumnError", "LoadReport", "load_rows",
-           "read_records", "get_field", "INDEX_COLUMN"]
+           "read_records", "get_field", "json_too_deep", "INDEX_COLUMN", "MAX_JSON_DEPTH"]
 
 INDEX_COLUMN = "_index"
+#: Deepest nesting of lists and objects in one row (the row's object counts). Parsing and
+#: converting nested values recurses (``datasets`` pickles an arrow type ~17 frames a level: a
+#: RecursionError past ~55 levels); real rows nest a few levels.
+MAX_JSON_DEPTH = 32
 _MISSING = object()
+# A JSON string; an unterminated one runs to the end (so a match never fails: linear time).
+_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"?', re.DOTALL)
+_NESTING_STEP = np.zeros(256, np.int8)  # byte -> change of nesting depth
+_NESTING_STEP[[ord("["), ord("{")]] = 1
+_NESTING_STEP[[ord("]"), ord("}")]] = -1
+_DEPTH_BLOCK = 1 << 20
 
 
 class BadRowError(ValueError):
@@ -106,6 +126,38 @@ def _format_bad(bad: list[tuple[int, str]], limit: int = 20) -> str:
     return ", ".join(parts)
 
 
+def json_too_deep(text: str, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether JSON ``text`` nests lists/objects deeper than ``limit``, found without parsing it
+    (linear time in C, memory bounded by a block; text with at most ``limit`` brackets is not
+    scanned). Brackets inside strings do not count."""
+    if text.count("[") + text.count("{") <= limit:
+        return False
+    outside = np.frombuffer(_JSON_STRING.sub("", text).encode("utf-8", "replace"), np.uint8)
+    depth = 0
+    for start in range(0, len(outside), _DEPTH_BLOCK):
+        run = np.cumsum(_NESTING_STEP[outside[start:start + _DEPTH_BLOCK]], dtype=np.int64) + depth
+        if run.max() > limit:
+            return True
+        depth = int(run[-1])
+    return False
+
+
+def _lone_surrogate(value: Any) -> bool:
+    """Whether a loaded value holds a lone UTF-16 surrogate (JSON ``"\\ud800"``): Python keeps it,
+    but it cannot be encoded, so tokenizing, printing or saving it would fail later."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(value, Mapping):
+        return any(_lone_surrogate(k) or _lone_surrogate(v) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return any(_lone_surrogate(v) for v in value)
+    return False
+
+
 def read_records(path: str) -> list[Union[dict, Exception]]:
     """Raw records of a file, one per row; an unparsable jsonl line is returned as an Exception.
 
@@ -141,6 +193,9 @@ def _read_jsonl(path: str) -> list[Union[dict, Exception]]:
             if not line:
                 out.append(ValueError("blank line"))
                 continue
+            if json_too_deep(line):
+                out.append(ValueError(f"JSON nested deeper than {MAX_JSON_DEPTH} levels"))
+                continue
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
@@ -158,6 +213,9 @@ def _read_json(path: str) -> list[Union[dict, Exception]]:
         text = f.read()
     if not text.strip():
         return []
+    outer = 1 if text.lstrip().startswith("[") else 2  # rows sit in [...] or {"data": [...]}
+    if json_too_deep(text, MAX_JSON_DEPTH + outer):
+        raise DataFileError(path, f"JSON nested deeper than {MAX_JSON_DEPTH} levels in a row")
     data = json.loads(text)
     if isinstance(data, dict):  # {"data": [...]} or column dict
         if len(data) == 1 and isinstance(next(iter(data.values())), list):
@@ -294,6 +352,9 @@ def load_rows(
                         why = f"missing {col!r}" if value is _MISSING else f"empty {col!r}"
                         break
                     value = None
+                if _lone_surrogate(value):
+                    why = f"{col!r} holds a lone surrogate escape such as \\ud800 (not valid text)"
+                    break
                 out[name] = value
             out["_file"] = os.path.basename(p)
             if why is None and normalize is not None:
@@ -318,14 +379,45 @@ def load_rows(
                 logger.warning("skipped %d of %d rows in %s: %s", len(report.bad), report.total, p,
                                _format_bad(report.bad))
 
+    ds = _dataset(rows, ", ".join(map(os.fspath, paths)), mapping)
+    return (ds, reports) if return_report else ds
+
+
+def _dataset(rows: list[dict], where: str, mapping: Mapping[str, str]) -> datasets.Dataset:
+    """The rows as a Dataset, built with pyarrow directly: ``Dataset.from_dict`` retries a column
+    arrow refuses with a cast that takes time exponential in the values' nesting depth."""
     columns: dict[str, list] = {}
-    keys: list[str] = []
     for r in rows:
         for k in r:
-            if k not in columns:
-                columns[k] = []
-                keys.append(k)
-    for k in keys:
-        columns[k] = [r.get(k) for r in rows]
-    ds = datasets.Dataset.from_dict(columns)
-    return (ds, reports) if return_report else ds
+            columns.setdefault(k, [])
+    for k in columns:
+        columns[k] = _one_type([r.get(k) for r in rows])
+    try:
+        return datasets.Dataset(InMemoryTable(pa.Table.from_pydict(columns)))
+    except RecursionError:  # deep parquet structs (JSON rows were checked when read)
+        raise DataFileError(where, "values nested too deeply") from None
+    except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):
+        raise _mixed_column_error(where, columns, mapping) from None
+
+
+def _one_type(values: list) -> list:
+    """Mixed scalars (e.g. a ``data_source`` of "gsm8k" and 3) become strings: an arrow column
+    holds one type (ints and floats already share one)."""
+    kinds = {type(v) for v in values if v is not None}
+    if len(kinds) > 1 and kinds <= {str, int, float, bool} and not kinds <= {int, float}:
+        return [v if v is None else str(v) for v in values]
+    return values
+
+
+def _mixed_column_error(where: str, columns: Mapping[str, list],
+                        mapping: Mapping[str, str]) -> DataFileError:
+    """The error for the first column arrow cannot hold (values of incompatible types)."""
+    for name, values in columns.items():
+        try:
+            pa.array(values)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError) as e:
+            kinds = sorted({type(v).__name__ for v in values if v is not None})
+            detail = " ".join(str(e).split())[:200]
+            return DataFileError(where, f"column {mapping.get(name, name)!r} mixes values of types "
+                                        f"{', '.join(kinds)} across rows ({detail}); give it one type")
+    return DataFileError(where, "its rows do not fit one table")

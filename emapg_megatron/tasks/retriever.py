@@ -20,7 +20,9 @@ A passage is returned as ``{"id", "title", "text", "contents", "score"}``.
 
 The server validates every request and answers a bad one with ``{"error": message}`` and a 4xx
 status, and keeps serving: 411 without a ``Content-Length``, 400 for a malformed one, 413 for a
-body over ``max_body`` (1 MiB by default), 408 for a body slower than ``request_timeout``, 400
+body over ``max_body`` (1 MiB by default), 408 for a request (line, headers and body together)
+not received within ``request_timeout`` of the connection being ready for it (an idle connection
+is closed without a reply), 400
 for ``topk`` that is not an integer in ``1..max_topk`` (100 by default; bools, floats, ``inf``,
 strings are refused) or ``queries`` that are not a non-empty list of non-blank strings of at most
 ``max_query_chars`` characters each.
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import io
 import json
 import logging
 import math
@@ -50,6 +53,8 @@ from typing import Any, Optional, Protocol, Sequence, Union
 import numpy as np
 import torch
 from transformers import AutoModel, AutoTokenizer
+
+from .data import json_too_deep
 
 logger = logging.getLogger(__name__)
 
@@ -92,8 +97,8 @@ def _split_contents(contents: str) -> tuple[str, str]:
 def load_corpus(path: str) -> list[dict]:
     """Passages of a jsonl corpus, normalised to ``{"id", "title", "text", "contents"}``.
 
-    Lines that are not JSON objects with ``contents`` or ``text`` are reported (index and count)
-    and skipped.
+    Lines that are not JSON objects with ``contents`` or ``text`` (or nest deeper than
+    :data:`~.data.MAX_JSON_DEPTH`) are reported (index and count) and skipped.
     """
     passages: list[dict] = []
     bad: list[int] = []
@@ -103,10 +108,9 @@ def load_corpus(path: str) -> list[dict]:
             if not line:
                 continue
             try:
-                rec = json.loads(line)
+                rec = None if json_too_deep(line) else json.loads(line)
             except json.JSONDecodeError:
-                bad.append(i)
-                continue
+                rec = None
             if not isinstance(rec, dict):
                 bad.append(i)
                 continue
@@ -258,9 +262,14 @@ DEFAULT_MAX_TOPK = 100
 DEFAULT_MAX_QUERIES = 1024
 #: Longest query (characters).
 DEFAULT_MAX_QUERY_CHARS = 8192
-#: Seconds a connection may sit idle, or take to send its headers or body, before it is dropped
-#: (a request whose body is slower than this gets a 408).
+#: Seconds from a connection being ready for a request (accepted, or its previous reply sent) to
+#: the whole request (line, headers, body) being read: a deadline, not a per-read timeout, so a
+#: client trickling bytes cannot hold a thread. A late request gets a 408, an idle connection is
+#: closed.
 DEFAULT_REQUEST_TIMEOUT = 30.0
+#: Listen backlog: connections waiting to be accepted. The stdlib default (5) made the kernel
+#: reset connections from a few dozen concurrent clients.
+LISTEN_BACKLOG = 1024
 # After an error that leaves part of a request body unread, the server stops writing and reads
 # (and drops) what the client still sends, at most this long / this much, before it closes the
 # socket; closing with unread input would send a TCP reset that can destroy the error reply.
@@ -336,18 +345,85 @@ def parse_retrieve_request(
     return list(queries), k, return_scores
 
 
+class _RequestTimeout(Exception):
+    """The request's deadline passed while reading it (not a ``TimeoutError``, which
+    ``http.server`` swallows without a reply). ``begun``: some of the request had arrived."""
+
+    def __init__(self, begun: bool) -> None:
+        super().__init__("request deadline passed")
+        self.begun = begun
+
+
+class _DeadlineReader(io.RawIOBase):
+    """A socket's input where every read of one request shares one deadline (:meth:`arm`);
+    a socket timeout alone restarts on every byte received."""
+
+    def __init__(self, sock: socket.socket, seconds: float) -> None:
+        super().__init__()
+        self._sock, self._seconds = sock, seconds
+        self._deadline: Optional[float] = None
+        self._received = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def arm(self) -> None:
+        self._deadline, self._received = time.monotonic() + self._seconds, 0
+
+    def disarm(self) -> None:
+        """Back to a plain timeout (replies are written with it)."""
+        self._deadline = None
+        self._sock.settimeout(self._seconds)
+
+    def readinto(self, buf) -> int:
+        if self._deadline is None:
+            return self._sock.recv_into(buf)
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise _RequestTimeout(self._received > 0)
+        self._sock.settimeout(left)
+        try:
+            n = self._sock.recv_into(buf)
+        except TimeoutError:
+            raise _RequestTimeout(self._received > 0) from None
+        self._received += n
+        return n
+
+
 class _Handler(BaseHTTPRequestHandler):
     server_version = "emapg-retriever/1"
     protocol_version = "HTTP/1.1"
 
     def setup(self) -> None:
-        self.timeout = self.server.request_timeout  # socket timeout for every read and write
+        self.timeout = self.server.request_timeout  # socket timeout for every write
         super().setup()
+        self.rfile.close()  # read through the deadline instead
+        self._input = _DeadlineReader(self.connection, self.timeout)
+        self.rfile = io.BufferedReader(self._input)
+
+    def handle_one_request(self) -> None:
+        # what _send needs if the deadline passes before the request line is parsed
+        self.command, self.requestline, self.request_version = None, "", self.protocol_version
+        self._input.arm()
+        try:
+            super().handle_one_request()
+        except _RequestTimeout as e:
+            self.close_connection = True
+            if e.begun:  # an idle connection is just closed
+                self._send_timeout("the request")
+
+    def _send_timeout(self, what: str) -> None:
+        try:
+            self._refuse(RequestError(408, f"timed out reading {what}: not received within "
+                                           f"{self.server.request_timeout:g} s"), unread_body=True)
+        except OSError:
+            self.close_connection = True
 
     def log_message(self, fmt: str, *args: Any) -> None:  # quiet
         logger.debug("retriever %s - " + fmt, self.address_string(), *args)
 
     def _send(self, code: int, payload: Any, close: bool = False) -> None:
+        self._input.disarm()
         body = json.dumps(payload).encode()
         self.send_response(code)
         self.send_header("Content-Type", "application/json")
@@ -450,8 +526,8 @@ class _Handler(BaseHTTPRequestHandler):
             return
         try:
             data = self.rfile.read(n) if n else b""
-        except TimeoutError:
-            self._send(408, {"error": f"timed out reading the {n}-byte request body"}, close=True)
+        except _RequestTimeout:
+            self._send_timeout(f"the {n}-byte request body")
             return
         if len(data) < n:
             self._send(400, {"error": f"request body ended after {len(data)} of {n} bytes"}, close=True)
@@ -494,14 +570,20 @@ def _positive(name: str, value: Any, kind: type = int) -> Any:
     return kind(value)
 
 
+class _HTTPServer(ThreadingHTTPServer):
+    request_queue_size = LISTEN_BACKLOG
+    daemon_threads = True
+
+
 class RetrieverServer:
     """Serve a retriever over HTTP on the loopback interface, in a background thread.
 
     ``port=0`` picks a free port; read it back from ``.port`` / ``.url``. Requests are
     validated: a body over ``max_body`` bytes gets 413, a missing / bad ``Content-Length``
-    411 / 400, a ``topk`` outside ``1..max_topk`` or a bad ``queries`` field 400, a body slower
-    than ``request_timeout`` seconds 408; every error is ``{"error": message}`` and the server
-    keeps serving.
+    411 / 400, a ``topk`` outside ``1..max_topk`` or a bad ``queries`` field 400, a request not
+    read within ``request_timeout`` seconds (a total deadline) 408; every error is
+    ``{"error": message}`` and the server keeps serving. The listen backlog is
+    :data:`LISTEN_BACKLOG`.
     """
 
     def __init__(self, retriever: Retriever, host: str = "127.0.0.1", port: int = 0,
@@ -516,14 +598,13 @@ class RetrieverServer:
                   "request_timeout": _positive("request_timeout", request_timeout, float)}
         if host == "localhost":
             host = "127.0.0.1"
-        server_cls = ThreadingHTTPServer
+        server_cls = _HTTPServer
         if ":" in host:
-            class _V6(ThreadingHTTPServer):
+            class _V6(_HTTPServer):
                 address_family = socket.AF_INET6
 
             server_cls = _V6
         self._httpd = server_cls((host, port), _Handler)
-        self._httpd.daemon_threads = True
         self._httpd.retriever = retriever  # type: ignore[attr-defined]
         for name, value in limits.items():
             setattr(self._httpd, name, value)
@@ -655,7 +736,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--max-query-chars", type=int, default=DEFAULT_MAX_QUERY_CHARS,
                     help="longest query in characters")
     ap.add_argument("--request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT,
-                    help="seconds a connection may stay idle or take to send a request")
+                    help="seconds a connection has, once ready for a request, to send all of it "
+                         "(line, headers, body; a deadline, not a per-read timeout): a late "
+                         "request gets a 408, an idle connection is closed")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
     logging.getLogger("bm25s").setLevel(logging.WARNING)

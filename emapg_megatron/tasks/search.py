@@ -205,7 +205,8 @@ SEARCH_R1_INSTRUCTION = (
 class SearchConfig:
     #: max model turns per episode (at most max_turns - 1 searches)
     max_turns: int = DEFAULT_MAX_TURNS
-    #: per-turn token budget (sampler max_new_tokens; enforced by the env when it has a tokenizer)
+    #: per-turn token budget (sampler max_new_tokens; enforced by the env when it has a tokenizer);
+    #: None or 0: the sampler's own max_new_tokens (the trainer's and evaluate's --max-turn-tokens 0)
     max_turn_tokens: Optional[int] = 500
     #: observation token budget (enforced when the env has a tokenizer)
     max_obs_tokens: Optional[int] = 500
@@ -247,9 +248,10 @@ class SearchEnv(Environment):
 
     # -- helpers -------------------------------------------------------------------------------
     def _apply_budget(self, text: str, ids: Optional[list[int]]) -> tuple[str, Optional[list[int]]]:
-        """Cut a turn to ``max_turn_tokens`` (needs a tokenizer; a no-op without one)."""
+        """Cut a turn to ``max_turn_tokens`` (needs a tokenizer; a no-op without one, and for a
+        budget of None or 0, which leave the turn to the sampler's ``max_new_tokens``)."""
         budget, tok = self.max_turn_tokens, self.tokenizer
-        if tok is None or budget is None:
+        if tok is None or not budget:
             return text, ids
         if ids is None:
             enc = encode_text(tok, text)

@@ -7,9 +7,11 @@ import pytest
 
 from emapg_megatron.tasks import Task, get_task, render_prompt
 from emapg_megatron.tasks.data import (
+    MAX_JSON_DEPTH,
     BadRowError,
     DataFileError,
     MissingColumnError,
+    json_too_deep,
     load_rows,
 )
 
@@ -209,3 +211,131 @@ def test_registry():
     with pytest.raises(ValueError, match="unknown task"):
         get_task("nope")
     assert issubclass(type(get_task("search", retriever="x")), Task)
+
+
+# ----------------------------------------------------------------------------------------------
+# hostile rows (issue 28): one clear reason each, never a traceback
+
+DEEP = 200_000
+
+
+def _deep(lists=DEEP, field="q"):
+    """A row whose ``field`` is ``lists`` nested lists: the row nests ``lists + 1`` deep."""
+    return '{"%s": %s"x"%s, "a": "1"}' % (field, "[" * lists, "]" * lists)
+
+
+def test_deeply_nested_jsonl_line_is_a_bad_row(tmp_path):
+    path = _jsonl(tmp_path / "d.jsonl", [json.dumps({"q": "x", "a": "1"}), _deep(),
+                                         _deep(MAX_JSON_DEPTH - 1, field="meta").replace('"a"', '"q": "y", "a"')])
+    ds, rep = load_rows(path, fields={"question": "q", "ground_truth": "a"},
+                        required=("question", "ground_truth"), return_report=True)
+    assert ds["_index"] == [0, 2]
+    assert rep[0].bad == [(1, f"JSON nested deeper than {MAX_JSON_DEPTH} levels")]
+    with pytest.raises(BadRowError, match="index 1 \\(JSON nested deeper"):
+        load_rows(path, fields={"question": "q"}, required=("question",), on_bad_row="error")
+
+
+def test_deeply_nested_json_file_is_a_data_file_error(tmp_path):
+    path = tmp_path / "d.json"
+    path.write_text("[" + json.dumps({"q": "x"}) + ", " + _deep() + "]")
+    with pytest.raises(DataFileError, match=f"nested deeper than {MAX_JSON_DEPTH} levels"):
+        load_rows(str(path), fields={"question": "q"}, required=("question",))
+
+
+def test_rows_at_the_depth_limit_load(tmp_path):
+    """The limit leaves room for the loader: a mapped field nested up to it becomes a column."""
+    row = _deep(MAX_JSON_DEPTH - 1)
+    files = {"d.jsonl": f"{row}\n{row}\n", "d.json": f"[{row}, {row}]", "e.json": f'{{"data": [{row}]}}'}
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+        ds = load_rows(str(tmp_path / name), fields={"question": "q"}, required=("question",),
+                       on_bad_row="error")
+        value = ds["question"][0]
+        for _ in range(MAX_JSON_DEPTH - 1):
+            value = value[0]
+        assert value == "x"
+
+
+@pytest.mark.parametrize("text,deep", [
+    ("[" * 101 + "]" * 101, True),
+    ("[" * 100 + "]" * 100, False),
+    ('["' + "[" * 500 + '"]', False),  # brackets in a string do not nest
+    ('["\\"' + "[" * 500 + '"]', False),  # nor after an escaped quote
+    ("[" * 500 + '"unterminated', True),
+    ('"' + '\\"' * 100_000 + "[" * 200, False),  # one unterminated string: linear, not quadratic
+])
+def test_json_too_deep(text, deep):
+    assert json_too_deep(text, 100) is deep
+
+
+def test_lone_surrogate_is_a_bad_row(tmp_path):
+    path = _jsonl(tmp_path / "d.jsonl", ['{"q": "a\\ud800b", "a": "1"}', '{"q": "ok \\ud83d\\ude00", "a": "1"}',
+                                         '{"q": "x", "a": ["\\uDC00"]}', '{"q": "y", "a": "1", "z": "\\ud800"}'])
+    ds, rep = load_rows(path, fields={"question": "q", "ground_truth": "a"},
+                        required=("question", "ground_truth"), return_report=True)
+    assert ds["question"] == ["ok \U0001F600", "y"]  # a surrogate pair is one character; 'z' is unused
+    assert [i for i, _ in rep[0].bad] == [0, 2]
+    assert "'q' holds a lone surrogate escape such as \\ud800" in rep[0].bad[0][1]
+    with pytest.raises(BadRowError, match="index 0 .*lone surrogate"):
+        load_rows(path, fields={"question": "q"}, required=("question",), on_bad_row="error")
+
+
+def test_column_mixing_strings_and_numbers_loads_as_strings(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    a, b = str(tmp_path / "a.parquet"), str(tmp_path / "b.parquet")
+    pq.write_table(pa.Table.from_pylist([{"q": "x", "data_source": "gsm"}]), a)
+    pq.write_table(pa.Table.from_pylist([{"q": "y", "data_source": 3}]), b)
+    ds = load_rows([a, b], fields={"question": "q", "data_source": "data_source"}, required=("question",))
+    assert ds["data_source"] == ["gsm", "3"]
+    path = _jsonl(tmp_path / "d.jsonl", [json.dumps({"q": "x", "s": s}) for s in ("a", 2, 1.5, True, None)])
+    ds = load_rows(path, fields={"question": "q", "data_source": "s"}, required=("question",))
+    assert ds["data_source"] == ["a", "2", "1.5", "True", None]
+    path = _jsonl(tmp_path / "n.jsonl", [json.dumps({"q": "x", "s": s}) for s in (1, 2.5)])
+    assert load_rows(path, fields={"question": "q", "data_source": "s"})["data_source"] == [1.0, 2.5]
+
+
+def test_column_mixing_lists_and_strings_is_a_data_file_error(tmp_path):
+    path = _jsonl(tmp_path / "d.jsonl", [json.dumps({"q": "x", "s": s}) for s in ("a", ["b"])])
+    with pytest.raises(DataFileError) as e:
+        load_rows(path, fields={"question": "q", "data_source": "s"}, required=("question",))
+    msg = str(e.value)
+    assert "column 's' mixes values of types list, str" in msg and path in msg and "\n" not in msg
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer():
+    from tiny_hf import _texts, byte_level_bpe
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(tokenizer_object=byte_level_bpe(_texts(), 320, ["<|endoftext|>"]),
+                                   eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+
+
+def test_hostile_rows_reach_the_trainer_as_notes_or_one_line(tmp_path, hf_tokenizer):
+    """The trainer's loader (training/prompt_data.py) on the files above: skipped rows are
+    counted in one note, an unusable file is one ConfigError line."""
+    pytest.importorskip("math_verify")
+    from emapg_megatron.errors import ConfigError
+    from emapg_megatron.training.prompt_data import load_training_prompts
+
+    good = json.dumps({"problem": "1+1?", "answer": "2", "data_source": "gsm"})
+    rows = [good, _deep().replace('"q"', '"problem"'), '{"problem": "a\\ud800", "answer": "1"}',
+            json.dumps({"problem": "2+2?", "answer": 4, "data_source": 7})]
+    path = _jsonl(tmp_path / "d.jsonl", rows)
+    notes = []
+    task = get_task("math", num_workers=1)
+    try:
+        out = load_training_prompts(task, path, hf_tokenizer, seq_length=512, max_new_tokens=8,
+                                    log=notes.append)
+        assert [r["data_source"] for r in out.rows] == ["gsm", "7"] and out.skipped_bad == 2
+        assert len(notes) == 1 and "row 1: JSON nested deeper" in notes[0] and "row 2: 'problem' holds" in notes[0]
+        deep = tmp_path / "d.json"
+        deep.write_text("[" + good + ", " + _deep() + "]")
+        with pytest.raises(ConfigError) as e:
+            load_training_prompts(task, str(deep), hf_tokenizer, seq_length=512, max_new_tokens=8)
+        assert str(e.value) == (f"--data-path {deep}: JSON nested deeper than {MAX_JSON_DEPTH} "
+                                "levels in a row")
+    finally:
+        task.close()

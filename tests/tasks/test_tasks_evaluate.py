@@ -60,8 +60,9 @@ def test_load_of_a_non_hf_directory_is_a_one_line_error(tmp_path, capsys):
 
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("vLLM is installed: --load goes to the vLLM backend")
+    pytest.importorskip("bm25s")
     rc = evaluate.main(["--task", "search", "--data", os.path.join(S, "qa.jsonl"), "--load", "/no/ckpt",
-                        "--n-samples", "2", "--out", str(tmp_path)])
+                        "--retriever", os.path.join(S, "corpus.jsonl"), "--n-samples", "2", "--out", str(tmp_path)])
     assert rc == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "not a Hugging Face directory" in err and "\n" not in err
@@ -120,3 +121,191 @@ def test_generate_responses_with_a_fake_backend():
     assert calls[0]["stop"] == ["</search>", "</answer>"] and len(calls) == 2
     correct = evaluate.score(task, rows, res)
     assert correct[0] == [True, True] and correct[1] == [False, False]
+
+
+# ----------------------------------------------------------------------------------------------
+# one `error:` line for bad input (issues 27 and 28)
+
+
+def _one_error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err, err
+    return err
+
+
+@pytest.mark.parametrize("content,message", [
+    (b'{"index": 0, "responses": ' + b"[" * 200_000 + b"]" * 200_000 + b"}\n", "line 0 is nested deeper than"),
+    (b'{"index": 0, "responses": ["ok"]}\n{"index": 1, "responses": ["\xff\xfe"]}\n',
+     "line 1 is not UTF-8 text (invalid start byte at byte 28)"),
+    (b'{"index": "zero", "responses": ["x"]}\n', "line 0: 'index' must be an integer, got 'zero'"),
+    (b'{"index": 0, "file": ["a"], "responses": ["x"]}\n', "line 0: 'file' must be a string"),
+], ids=["deep", "not-utf8", "index", "file"])
+def test_hostile_responses_file_is_one_error_line(tmp_path, capsys, content, message):
+    resp = tmp_path / "r.jsonl"
+    resp.write_bytes(content)
+    rc = evaluate.main(["--task", "search", "--data", os.path.join(S, "qa.jsonl"), "--responses", str(resp),
+                        "--n-samples", "1", "--out", str(tmp_path / "o")])
+    assert rc == 2
+    assert f"{resp}: {message}" in _one_error_line(capsys)
+
+
+@pytest.mark.parametrize("extra,message", [
+    ([], "--task search --load needs --retriever (a corpus jsonl or the http:// URL"),
+    (["--retriever", "/no/corpus.jsonl"], "--retriever /no/corpus.jsonl: no such corpus file"),
+    (["--retriever", os.path.join(S, "qa.jsonl")], "has no usable passages"),
+    (["--retriever", os.path.join(S, "corpus.jsonl"), "--max-turn-tokens", "-1"], "--max-turn-tokens must be >= 0"),
+], ids=["no-retriever", "missing-corpus", "bad-corpus", "negative-turn-budget"])
+def test_search_load_flags_are_checked_before_the_model(tmp_path, capsys, monkeypatch, extra, message):
+    """Checked before the model loads (the checkpoint here does not even exist)."""
+    pytest.importorskip("bm25s")
+    monkeypatch.setattr(evaluate, "load_backend", lambda *a, **k: pytest.fail("model loaded first"))
+    rc = evaluate.main(["--task", "search", "--data", os.path.join(S, "qa.jsonl"), "--load", "/no/ckpt",
+                        "--n-samples", "1", "--out", str(tmp_path), *extra])
+    assert rc == 2 and message in _one_error_line(capsys)
+
+
+class FakeBackend:
+    """Answers every turn at once; records the per-call budgets."""
+
+    tokenizer = None
+
+    def __init__(self, fail_on_call=None, **load_kwargs):
+        self.load_kwargs, self.budgets, self.calls, self.fail_on_call = load_kwargs, [], 0, fail_on_call
+
+    def __call__(self, prompts, n, stop=None, max_new_tokens=None):
+        self.calls += 1
+        if self.calls == self.fail_on_call:
+            raise RuntimeError("device lost")
+        self.budgets.append(max_new_tokens)
+        return [["<answer> Paris </answer>"] * n for _ in prompts]
+
+
+def _load_fake(monkeypatch, **fake_kwargs):
+    made = []
+
+    def load(ckpt, **kw):
+        made.append(FakeBackend(**fake_kwargs, **kw))
+        return made[-1]
+
+    monkeypatch.setattr(evaluate, "load_backend", load)
+    return made
+
+
+@pytest.mark.parametrize("flags,load_budget,turn_budget", [
+    ([], 1024, 500),  # the search task's own per-turn default
+    (["--max-turn-tokens", "7"], 1024, 7),
+    (["--max-turn-tokens", "0", "--max-new-tokens", "33"], 33, None),  # None: the backend's 33
+])
+def test_search_turn_budget_flags(tmp_path, monkeypatch, capsys, flags, load_budget, turn_budget):
+    pytest.importorskip("bm25s")
+    made = _load_fake(monkeypatch)
+    rc = evaluate.main(["--task", "search", "--data", os.path.join(S, "qa.jsonl"), "--load", "ckpt",
+                        "--retriever", os.path.join(S, "corpus.jsonl"), "--limit", "2", "--n-samples", "2",
+                        "--out", str(tmp_path), *flags])
+    assert rc == 0
+    assert made[0].load_kwargs["max_new_tokens"] == load_budget
+    assert made[0].budgets == [turn_budget]
+    assert "generated 4/4 responses (100%)" in capsys.readouterr().err  # the progress line
+    lines = (tmp_path / "responses.jsonl").read_text().splitlines()
+    assert [json.loads(x)["index"] for x in lines] == [0, 1]
+
+
+def test_turn_budget_zero_leaves_the_turn_to_the_sampler():
+    """--max-turn-tokens 0 (evaluate's and the trainer's: use --max-new-tokens) must not make an
+    environment with a tokenizer cut every turn to zero tokens."""
+    from emapg_megatron.tasks.search import SearchConfig, SearchEnv
+
+    class Chars:
+        def encode(self, text, add_special_tokens=False):
+            return [ord(c) for c in text]
+
+        def decode(self, ids, **_):
+            return "".join(map(chr, ids))
+
+    for budget, kept in ((0, "<answer> Paris </answer>"), (8, "<answer>")):
+        env = SearchEnv(retriever=None, config=SearchConfig(max_turn_tokens=budget), tokenizer=Chars())
+        assert env.step("<answer> Paris </answer>").model_text == kept
+
+
+def test_unused_max_new_tokens_is_named(tmp_path, monkeypatch, caplog):
+    pytest.importorskip("bm25s")
+    _load_fake(monkeypatch)
+    rc = evaluate.main(["--task", "search", "--data", os.path.join(S, "qa.jsonl"), "--load", "ckpt",
+                        "--retriever", os.path.join(S, "corpus.jsonl"), "--limit", "1", "--n-samples", "1",
+                        "--max-new-tokens", "2048", "--out", str(tmp_path)])
+    assert rc == 0
+    assert "--max-new-tokens 2048 is not used by --task search: each model turn gets " \
+           "--max-turn-tokens 500" in caplog.text
+
+
+def test_generation_failure_is_one_line_and_keeps_finished_rows(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("bm25s")
+    monkeypatch.setattr(evaluate, "_GEN_CHUNK", 4)  # 2 rows x 2 samples a call
+    _load_fake(monkeypatch, fail_on_call=2)
+    rc = evaluate.main(["--task", "search", "--data", os.path.join(S, "qa.jsonl"), "--load", "ckpt",
+                        "--n-samples", "2", "--limit", "4", "--out", str(tmp_path),
+                        "--retriever", os.path.join(S, "corpus.jsonl")])
+    assert rc == 2
+    out = tmp_path / "responses.jsonl"
+    assert _one_error_line(capsys) == (f"error: generation failed (RuntimeError: device lost); the 2 rows "
+                                       f"done are in {out}")
+    assert [json.loads(x)["index"] for x in out.read_text().splitlines()] == [0, 1]
+
+
+def test_progress_line_redraws_on_a_terminal_and_is_throttled_in_a_log():
+    import io
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    log, tty = io.StringIO(), Tty()
+    for stream in (log, tty):
+        bar = evaluate._Progress(10, stream=stream, every=3600.0)
+        bar.update(5)  # within `every` of the start: nothing in a log
+        bar.update(10)
+    assert log.getvalue().count("\n") == 1 and log.getvalue().startswith("generated 10/10 responses (100%), ")
+    assert tty.getvalue().startswith("\rgenerated ") and tty.getvalue().endswith("\n")
+
+
+@pytest.fixture(scope="module")
+def tiny_hf(tmp_path_factory):
+    from tiny_hf import build_tiny_hf
+
+    return build_tiny_hf(str(tmp_path_factory.mktemp("tiny_hf")))
+
+
+def _evaluate_subprocess(*argv):
+    return subprocess.run([sys.executable, "-m", "emapg_megatron.evaluate", *argv], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+@pytest.mark.slow
+def test_load_errors_on_the_cpu_megatron_backend_are_one_line(tiny_hf, tmp_path):
+    """No `[rank0]:` traceback from the in-process Megatron sampler: a checkpoint that does not
+    load and a generation the model cannot hold each end in one `error:` line, exit 2."""
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_hf, broken)
+    (broken / "model.safetensors").write_bytes(b"\x00" * 16)
+    common = ["--task", "math", "--data", os.path.join(S, "math.jsonl"), "--limit", "1", "--n-samples", "1"]
+    for ckpt, flags, message in [
+        (str(broken), [], f"error: corrupt safetensors file {broken}"),
+        (tiny_hf, ["--max-new-tokens", "5000"], "error: generation failed (prompt + 5000 new tokens = "),
+    ]:
+        r = _evaluate_subprocess(*common, "--load", ckpt, "--out", str(tmp_path / "o"), *flags)
+        err = r.stderr.strip()
+        assert r.returncode == 2 and err.startswith(message) and "\n" not in err, err
+
+
+@pytest.mark.slow
+def test_search_load_on_the_cpu_megatron_backend(tiny_hf, tmp_path):
+    r = _evaluate_subprocess("--task", "search", "--data", os.path.join(S, "qa.jsonl"), "--load", tiny_hf,
+                             "--retriever", os.path.join(S, "corpus.jsonl"), "--limit", "2", "--n-samples", "2",
+                             "--max-turns", "2", "--max-turn-tokens", "4", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "generated 4/4 responses (100%)" in r.stderr
+    lines = [json.loads(x) for x in (tmp_path / "responses.jsonl").read_text().splitlines()]
+    assert len(lines) == 2 and all(len(x["responses"]) == 2 for x in lines)

@@ -8,7 +8,10 @@ blocking it.
 import http.client
 import json
 import math
+import select
 import socket
+import threading
+import time
 
 import pytest
 
@@ -242,6 +245,70 @@ def test_stalled_body_is_a_408(retriever):
         _assert_still_serves(srv)
 
 
+def _new_handler_threads(before, wait_s=30.0):
+    """Handler threads started since ``before`` still alive after at most ``wait_s`` (a hang guard,
+    not a timing assertion)."""
+    end = time.monotonic() + wait_s
+    while True:
+        alive = [t for t in threading.enumerate()
+                 if t not in before and "process_request_thread" in t.name]
+        if not alive or time.monotonic() > end:
+            return alive
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("phase", ["headers", "body"])
+def test_trickled_request_is_a_408_and_frees_its_thread(retriever, phase):
+    """The timeout is a deadline for the whole request: one byte at a time, each well inside
+    the timeout, still gets a 408 (a per-read timeout would wait for all of it and answer 200)."""
+    request = (_head(len(GOOD)) + "\r\n\r\n").encode() + GOOD
+    sent = 0 if phase == "headers" else request.index(b"\r\n\r\n") + 4
+    before = set(threading.enumerate())
+    with RetrieverServer(retriever, port=0, request_timeout=1.0) as srv:
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=SOCK_TIMEOUT) as sock:
+            sock.sendall(request[:sent])
+            # ~0.05 s a byte: the whole request would take several timeouts
+            while sent < len(request) and not select.select([sock], [], [], 0.05)[0]:
+                sock.sendall(request[sent:sent + 1])
+                sent += 1
+            status, headers, payload = _read_response(sock)
+            assert status == 408 and "timed out" in payload["error"], payload
+            assert headers["connection"] == "close" and sock.recv(1) == b""
+        assert sent < len(request)
+        assert _new_handler_threads(before) == []
+        _assert_still_serves(srv)
+
+
+def test_idle_connection_is_closed_without_a_reply(retriever):
+    with RetrieverServer(retriever, port=0, request_timeout=0.5) as srv:
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=SOCK_TIMEOUT) as sock:
+            assert sock.recv(1) == b""  # EOF, not a 408 nobody asked for
+
+
+def test_many_concurrent_clients_without_retries(server):
+    """64 clients connecting at once all get answers (the stdlib's listen backlog of 5 made the
+    kernel reset some connections; the client's retries are off so none is hidden)."""
+    n, rounds = 64, 2
+    barrier = threading.Barrier(n)
+    results = []
+
+    def work():
+        client = RetrieverClient(server.url, timeout=60, retries=0)
+        barrier.wait()
+        for _ in range(rounds):
+            try:
+                results.append(client.search("Red Planet", 1)[0]["title"])
+            except Exception as e:  # noqa: BLE001 - reported by the assertion below
+                results.append(repr(e))
+
+    threads = [threading.Thread(target=work) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == ["Mars"] * (n * rounds)
+
+
 # ----------------------------------------------------------------------------------------------
 # queries and the rest of the body
 
@@ -359,3 +426,14 @@ def test_validators_directly():
     assert parse_retrieve_request({"queries": ["a", "b"], "k": 2, "return_scores": False}) == (["a", "b"], 2, False)
     with pytest.raises(RequestError, match="'topk'"):
         parse_retrieve_request({"queries": ["a"], "topk": None, "k": 2})  # topk wins over k
+
+
+def test_corpus_line_nested_too_deep_is_skipped(tmp_path, caplog):
+    """A hostile corpus line is a bad line like any other, not a RecursionError."""
+    from emapg_megatron.tasks.retriever import load_corpus
+
+    path = tmp_path / "corpus.jsonl"
+    path.write_text(json.dumps({"id": "1", "contents": '"Mars"\nThe Red Planet.'}) + "\n"
+                    + '{"id": "2", "contents": ' + "[" * 200_000 + "]" * 200_000 + "}\n")
+    assert [p["title"] for p in load_corpus(str(path))] == ["Mars"]
+    assert "skipped 1 bad line(s)" in caplog.text and "line index 1" in caplog.text

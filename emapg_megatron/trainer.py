@@ -139,6 +139,7 @@ class Trainer:
         self.monitor_sequences = monitor_sequences
         self.prompt_texts: list[str] = []  # this DP rank's prompts of the last step
         self.samples: list[tuple[str, str, float]] = []  # its (prompt, response, reward) per sequence
+        self.episode_counts: dict[str, float] = {}  # multi-turn: the environments' counts, summed
 
     # --- checkpoint state ----------------------------------------------------------------
     def sharded_state_dict(self, *, is_loading: bool = False) -> dict:
@@ -190,6 +191,7 @@ class Trainer:
 
     def rollout(self, iteration: int):
         """This DP rank's prompts x n samples: (batch, one row per sequence, response texts)."""
+        self.episode_counts = {}
         rows = self.data.rows_for_step(iteration, self.cfg.rollout_batch_size)
         mine = self.local_prompt_indices()
         local_rows = [rows[i] for i in mine]
@@ -209,6 +211,7 @@ class Trainer:
             envs = [self.task.make_env(r, self.tokenizer) for r in seq_rows]
             batch, episodes = self.sampler.generate_episodes(prompts, n, envs,
                                                              tokenizer=self.tokenizer, **common)
+            self.episode_counts = _summed([env.counts() for env in envs])
             return batch, seq_rows, [ep.response_text for ep in episodes]
         batch = self.sampler.generate(prompts, n, **common)
         return batch, seq_rows, [self.tokenizer.decode(r) for r in batch.responses]
@@ -401,6 +404,9 @@ class Trainer:
         contributes = self._is_last_stage() and _tp_rank() == 0
         local = {k: (stats[k] if contributes else 0.0) for k in LOSS_KEYS}
         local["gen_tokens"] = float(rollout.loss_mask.sum()) if contributes else 0.0
+        # the environments stepped on the model-parallel group's first rank (episodes.answer)
+        stepped = _tp_rank() == 0 and ps.is_pipeline_first_stage()
+        local.update({k: (v if stepped else 0.0) for k, v in self.episode_counts.items()})
         g = reduce_sum(local)
         tokens = max(g["tokens"], 1.0)
         elapsed = time.monotonic() - t0
@@ -432,7 +438,21 @@ class Trainer:
             "dp_token_imbalance": self.dp_token_imbalance,
             "skipped": stats["skipped"],
             "updates_refused": stats["updates_refused"],
+            **self._episode_metrics(g, rewards.numel()),
         }
+
+    def _episode_metrics(self, sums: dict, episodes: int) -> dict:
+        """Multi-turn tasks: the environments' counts per episode, and the share of valid turns."""
+        if not self.episode_counts:
+            return {}
+        out = {k: sums[k] / episodes for k in self.episode_counts}
+        if "search/turns" in out:
+            out["search/valid_action_rate"] = 1.0 - out.pop("search/invalid_turns") / max(out["search/turns"], 1e-9)
+        return out
+
+
+def _summed(dicts: list[dict]) -> dict:
+    return {k: sum(d[k] for d in dicts) for k in (dicts[0] if dicts else {})}
 
 
 def _tp_rank() -> int:

@@ -263,6 +263,10 @@ class Environment(abc.ABC):
         """All model and observation text after the prompt, in order."""
         return "".join(s.text for s in self.segments if s.role != ROLE_PROMPT)
 
+    def counts(self) -> dict[str, float]:
+        """What the trainer sums over a step's episodes and logs per episode (turns, tool calls)."""
+        return {}
+
 
 class Task(abc.ABC):
     """A family of RL problems: prompts, rewards, optional environment, data fields."""

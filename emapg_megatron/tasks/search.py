@@ -246,6 +246,11 @@ class SearchEnv(Environment):
         self.queries: list[str] = []
         self.invalid_turns = 0
 
+    def counts(self) -> dict[str, float]:
+        return {"search/turns": float(self.turn), "search/calls": float(len(self.queries)),
+                "search/invalid_turns": float(self.invalid_turns),
+                "search/answered": float(self.answer is not None)}
+
     # -- helpers -------------------------------------------------------------------------------
     def _apply_budget(self, text: str, ids: Optional[list[int]]) -> tuple[str, Optional[list[int]]]:
         """Cut a turn to ``max_turn_tokens`` (needs a tokenizer; a no-op without one, and for a

@@ -47,6 +47,9 @@ def test_search_task_trains_two_steps_at_tp2(tiny_hf, tmp_path):
                              "--max-new-tokens", "8"])
     assert [m["step"] for m in ms] == [1, 2]
     assert all(m["response_len"] > 0 for m in ms)
+    for m in ms:  # per episode, counted once per model-parallel group (TP=2 here)
+        assert 1.0 <= m["search/turns"] <= 2.0 and 0.0 <= m["search/calls"] <= 1.0
+        assert 0.0 <= m["search/valid_action_rate"] <= 1.0 and 0.0 <= m["search/answered"] <= 1.0
 
 
 def test_evaluate_load_runs_on_cpu_with_the_megatron_sampler(tiny_hf, tmp_path):

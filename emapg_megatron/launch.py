@@ -16,10 +16,14 @@ Without ``--nproc-per-node`` (or under torchrun already) it is the trainer itsel
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import logging
 import os
 import signal
 import sys
+
+import psutil
 
 #: torchrun's options this launcher takes (dash or underscore), and whether each takes a value.
 #: Everything else is the trainer's (torchrun's own --log-dir is not among them: it is ours).
@@ -27,6 +31,7 @@ LAUNCHER_FLAGS = {"nproc-per-node": True, "nnodes": True, "node-rank": True, "ma
                   "master-port": True, "standalone": False, "rdzv-backend": True,
                   "rdzv-endpoint": True, "rdzv-id": True, "max-restarts": True}
 SHUTDOWN_TIMEOUT_S = 3600  # the ranks finish their step and save after Ctrl-C
+PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
 
 
 def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -73,6 +78,23 @@ def validate(trainer: list[str], world: int) -> None:
             os.environ["WORLD_SIZE"] = previous
 
 
+def adopt_orphans() -> None:
+    """Make this process the subreaper of everything the ranks start (Linux): the checkpoint
+    writers and results Manager of a rank that was killed are re-parented here, not to init, and
+    :func:`end_descendants` ends them with the run."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: orphans go to init as before
+        pass
+
+
+def end_descendants() -> None:
+    """Kill whatever the ranks left running (the run is over: nothing of it may outlive it)."""
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            child.kill()
+
+
 def run_ranks(launcher: list[str], trainer: list[str]) -> int:
     """torchrun's agent on ``python -m emapg_megatron.train TRAINER_FLAGS``; the exit code."""
     from torch.distributed import run as torchrun
@@ -83,12 +105,15 @@ def run_ranks(launcher: list[str], trainer: list[str]) -> int:
     timeout = os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_TIMEOUT_S))
     args = torchrun.parse_args([*launcher, "--shutdown-timeout", timeout, "-m", "emapg_megatron.train",
                                 *trainer])
+    adopt_orphans()
     try:
         torchrun.run(args)
     except ChildFailedError as e:
         return failure_code(e.failures)
     except SignalException as e:
         return 128 + int(e.sigval)
+    finally:
+        end_descendants()
     return 0
 
 

@@ -116,3 +116,38 @@ def test_overwrite_deletes_only_what_an_earlier_run_wrote(tmp_path):
     clear_earlier_run(CheckpointConfig(save=str(save), overwrite=True), LogConfig(log_dir=str(log)))
     assert sorted(os.listdir(save)) == [".emapg-run.lock", "mine"]
     assert sorted(os.listdir(log)) == ["notes.txt"]
+
+
+ADOPTION = """
+import os, subprocess, sys, time
+import psutil
+sys.path.insert(0, sys.argv[1])
+from emapg_megatron.launch import adopt_orphans, end_descendants
+
+RANK = '''
+import os, time
+pid = os.fork()
+if pid == 0:  # the "writer": outlives its parent, the "rank"
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 1)
+    os.dup2(null, 2)
+    time.sleep(120)
+    os._exit(0)
+print(pid, flush=True)
+'''
+
+adopt_orphans()
+writer = psutil.Process(int(subprocess.run([sys.executable, "-c", RANK], capture_output=True,
+                                           text=True, timeout=60).stdout))
+adopted = writer.ppid() == os.getpid()  # re-parented to us, not to init
+end_descendants()
+writer.wait(timeout=30)
+print(adopted, not writer.is_running())
+"""
+
+
+def test_what_a_dead_rank_left_running_is_adopted_and_ended():
+    """A rank killed mid-save leaves Megatron's writers and results Manager behind: the launcher
+    is their subreaper and ends them with the run (issue 28)."""
+    r = subprocess.run([sys.executable, "-c", ADOPTION, ROOT], capture_output=True, text=True, timeout=120)
+    assert r.stdout.split() == ["True", "True"], r.stdout + r.stderr

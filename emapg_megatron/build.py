@@ -69,20 +69,25 @@ class RunInputs:
     """The checked training prompts (:class:`~emapg_megatron.training.prompt_data.TrainingPrompts`)."""
     eval_rows: list | None = None
     """Held-out rows for --eval-interval (checked like the training prompts), or None."""
+    architecture: str | None = None
+    """The HF architecture the model is (--load-hf's, else the one the flags build), or None."""
+    hf_config: dict | None = None
+    """--load-hf's config.json, as read once at start-up."""
 
 
 def prepare(argv=None) -> RunInputs:
     """Parse, validate and load everything that needs no process group (bad input stops here)."""
     cfg = arguments.parse_args(argv)
     arguments.validate(cfg, world_size_from_env(cfg.launch))
-    model_cfg = model_config(cfg)
+    model_cfg, arch, hf_cfg = model_source(cfg)
     arguments.validate_architecture(cfg, model_cfg)
     validate_precision(cfg.precision, cfg.parallel.resolved_device(), hardware=not cfg.launch.dry_run)
     if cfg.model.pretrained_checkpoint:
         check_pretrained_architecture(model_cfg, cfg.model.pretrained_checkpoint)
     tokenizer, task = build_tokenizer_and_task(cfg)
-    return RunInputs(cfg, model_cfg, tokenizer, task, load_prompts(cfg, tokenizer, task),
-                     load_eval_rows(cfg, tokenizer, task))
+    prompts = load_prompts(cfg, tokenizer, task, cfg.task.data_path)
+    return RunInputs(cfg, model_cfg, tokenizer, task, prompts, load_eval_rows(cfg, tokenizer, task),
+                     arch, hf_cfg)
 
 
 def describe(inputs: RunInputs) -> str:
@@ -147,9 +152,10 @@ def build_tokenizer_and_task(cfg: RunConfig):
                                max_obs_tokens=task.max_obs_tokens, topk=task.retriever_topk)
 
 
-def load_prompts(cfg: RunConfig, tokenizer, task):
-    """The training prompts, checked: readable data, every prompt fits --seq-length."""
-    return load_training_prompts(task, cfg.task.data_path, tokenizer, seq_length=cfg.step.seq_length,
+def load_prompts(cfg: RunConfig, tokenizer, task, path: str | None):
+    """The prompts of ``path`` (training or held-out), checked: readable data, every prompt fits
+    --seq-length."""
+    return load_training_prompts(task, path, tokenizer, seq_length=cfg.step.seq_length,
                                  max_new_tokens=cfg.step.max_new_tokens, long_prompts=cfg.task.long_prompts,
                                  fields=cfg.task.fields() or None)
 
@@ -160,9 +166,7 @@ def load_eval_rows(cfg: RunConfig, tokenizer, task) -> list | None:
     ev = cfg.eval
     if not ev.eval_interval:
         return None
-    rows = load_training_prompts(task, ev.eval_data_path, tokenizer, seq_length=cfg.step.seq_length,
-                                 max_new_tokens=cfg.step.max_new_tokens, long_prompts=cfg.task.long_prompts,
-                                 fields=cfg.task.fields() or None).rows[:ev.eval_max_prompts]
+    rows = load_prompts(cfg, tokenizer, task, ev.eval_data_path).rows[:ev.eval_max_prompts]
     dp = cfg.parallel.data_parallel_size(world_size_from_env(cfg.launch))
     if len(rows) < dp:
         raise ConfigError(f"--eval-data-path has {len(rows)} usable prompts: evaluation needs at least "
@@ -170,28 +174,34 @@ def load_eval_rows(cfg: RunConfig, tokenizer, task) -> list | None:
     return rows
 
 
-def model_config(cfg: RunConfig) -> ModelConfig:
-    """The architecture: from --load-hf's config.json, else from the flags (no weights read)."""
+def model_source(cfg: RunConfig) -> tuple[ModelConfig, str | None, dict | None]:
+    """(the architecture, its HF name, --load-hf's config.json): from that config.json, else
+    from the flags (no weights read)."""
     if cfg.model.load_hf is not None:
-        model_cfg, _ = model_config_from_hf(read_hf_config(cfg.model.load_hf),
-                                            make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by)
-        return model_cfg
-    return cfg.model.architecture(cfg.step.seq_length)
+        hf_cfg = read_hf_config(cfg.model.load_hf)
+        divisible_by = cfg.model.make_vocab_size_divisible_by
+        model_cfg, arch = model_config_from_hf(hf_cfg, make_vocab_size_divisible_by=divisible_by)
+        return model_cfg, arch, hf_cfg
+    model_cfg = cfg.model.architecture(cfg.step.seq_length)
+    return model_cfg, architecture_for(model_cfg), None
+
+
+def model_config(cfg: RunConfig) -> ModelConfig:
+    """The architecture alone (:func:`model_source`)."""
+    return model_source(cfg)[0]
 
 
 def model_metadata(inputs: RunInputs) -> dict | None:
     """What the converter needs to export the run's checkpoints to HF (``METADATA``): the
     architecture, dtype and layout; with --load-hf, its config.json and where its tokenizer is.
     None for a model no HF architecture computes alike."""
-    cfg, model_cfg = inputs.config, inputs.model_cfg
-    hf_dir = cfg.model.load_hf
-    hf_cfg = read_hf_config(hf_dir) if hf_dir else None
-    arch = model_config_from_hf(hf_cfg)[1] if hf_cfg else architecture_for(model_cfg)
-    if arch is None:
+    cfg, hf_dir = inputs.config, inputs.config.model.load_hf
+    if inputs.architecture is None:
         return None
-    meta = checkpoint_metadata(model_cfg, arch, "bf16" if cfg.precision.bf16 else "fp32",
+    dtype = "bf16" if cfg.precision.bf16 else "fp32"
+    meta = checkpoint_metadata(inputs.model_cfg, inputs.architecture, dtype,
                                tp=cfg.parallel.tensor_model_parallel_size,
-                               pp=cfg.parallel.pipeline_model_parallel_size, hf_config=hf_cfg)
+                               pp=cfg.parallel.pipeline_model_parallel_size, hf_config=inputs.hf_config)
     return {**meta, "hf_dir": os.path.abspath(hf_dir) if hf_dir else None}
 
 

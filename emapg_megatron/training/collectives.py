@@ -53,7 +53,14 @@ def all_true(flag: bool, group=None) -> bool:
 
 def any_true(flag: bool, group=None) -> bool:
     """Whether ``flag`` holds on some rank of ``group``."""
-    return not all_true(not flag, group)
+    return any_true_each(flag, group=group)[0]
+
+
+def any_true_each(*flags: bool, group=None) -> list[bool]:
+    """For each flag, whether it holds on some rank of ``group``: one collective for them all."""
+    t = torch.tensor([1.0 if f else 0.0 for f in flags], device=runtime.device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return [v == 1.0 for v in t.tolist()]
 
 
 def gather_cat(local: torch.Tensor, group) -> torch.Tensor:

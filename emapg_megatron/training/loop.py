@@ -21,7 +21,7 @@ from emapg_megatron.checkpoint import training as checkpointing
 from emapg_megatron.checkpoint.convert import METADATA
 from emapg_megatron.errors import RunError, SkippedStepsError, agreed
 from emapg_megatron.training.collectives import (
-    any_true,
+    any_true_each,
     gather_objects_to_first,
     on_rank0,
 )
@@ -114,8 +114,10 @@ class StopFlag:
             runtime.end_child_processes()
             os._exit(1)
 
-    def agreed(self) -> bool:
-        return any_true(self.requested_at is not None)
+    @property
+    def requested(self) -> bool:
+        """Whether this rank got the signal (the ranks agree on it after each step)."""
+        return self.requested_at is not None
 
 
 def _raise(error: Exception):
@@ -143,8 +145,6 @@ def run_steps(loop: LoopConfig, ckpt: CheckpointConfig, trainer, logger, start: 
         if evaluate is not None:
             metrics.update(evaluate(iteration))
         logger.log(iteration, metrics)
-        if any_true(logger.failure is not None):  # only rank 0 writes: every rank stops with it
-            on_rank0(lambda: _raise(RunError(logger.failure)))
         if log is not None and log.dumps_rollouts(iteration):
             logger.dump_rollouts(iteration, gathered_samples(trainer))
         if metrics.get("zero_std_group_frac") == 1.0 and not zero_variance:
@@ -156,7 +156,9 @@ def run_steps(loop: LoopConfig, ckpt: CheckpointConfig, trainer, logger, start: 
             raise agreed(SkippedStepsError(
                 f"stopping: {trainer.skipped_steps} steps skipped for non-finite loss or gradients "
                 f"(--max-skipped-steps {loop.max_skipped_steps})"))
-        stopping = stop.agreed()
+        stopping, log_failed = any_true_each(stop.requested, logger.failure is not None)
+        if log_failed:  # only rank 0 writes the logs: every rank stops with its reason
+            on_rank0(lambda: _raise(RunError(logger.failure)))
         if ckpt.save and (stopping or ckpt.due(iteration)):
             save(trainer, ckpt.save, iteration, record)
         if stopping:

@@ -46,7 +46,7 @@ from emapg_megatron.rollout.megatron_sampler import MegatronSampler
 from emapg_megatron.tasks import get_task
 from emapg_megatron.tasks.synthetic import CharTokenizer, CopyTask
 from emapg_megatron.trainer import PolicyPasses, Trainer
-from emapg_megatron.training import packing
+from emapg_megatron.training import packing, prompt_cache
 from emapg_megatron.training.config import OptimConfig
 from emapg_megatron.training.model_and_optimizer import build_model_and_optimizer
 from emapg_megatron.training.optimizer_step import check_loaded_weights
@@ -154,10 +154,12 @@ def build_tokenizer_and_task(cfg: RunConfig):
 
 def load_prompts(cfg: RunConfig, tokenizer, task, path: str | None):
     """The prompts of ``path`` (training or held-out), checked: readable data, every prompt fits
-    --seq-length."""
-    return load_training_prompts(task, path, tokenizer, seq_length=cfg.step.seq_length,
-                                 max_new_tokens=cfg.step.max_new_tokens, long_prompts=cfg.task.long_prompts,
-                                 fields=cfg.task.fields() or None)
+    --seq-length. Loaded and tokenised by one process of a node, shared with the others."""
+    def load():
+        return load_training_prompts(task, path, tokenizer, seq_length=cfg.step.seq_length,
+                                     max_new_tokens=cfg.step.max_new_tokens,
+                                     long_prompts=cfg.task.long_prompts, fields=cfg.task.fields() or None)
+    return prompt_cache.once_per_node(prompt_cache.key(cfg.flags(), path, cfg.model.load_hf), load)
 
 
 def load_eval_rows(cfg: RunConfig, tokenizer, task) -> list | None:

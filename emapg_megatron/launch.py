@@ -22,6 +22,7 @@ import logging
 import os
 import signal
 import sys
+import tempfile
 
 import psutil
 
@@ -144,8 +145,13 @@ def main(argv: list[str] | None = None) -> None:
     if not launcher or "LOCAL_RANK" in os.environ or "-h" in trainer or "--help" in trainer:
         train.main(trainer)  # one process (or a rank torchrun started): the trainer itself
         return
-    code = train.run_checked(lambda: validate(trainer, world_size(launcher)))
-    sys.exit(code or run_ranks(launcher, trainer))
+    from emapg_megatron.training.prompt_cache import CACHE_DIR_ENV
+
+    with tempfile.TemporaryDirectory(prefix="emapg-prompts-") as cache:
+        os.environ[CACHE_DIR_ENV] = cache  # validation loads the prompts once; the ranks read them
+        code = train.run_checked(lambda: validate(trainer, world_size(launcher)))
+        code = code or run_ranks(launcher, trainer)
+    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from emapg_megatron import build, runtime
 from emapg_megatron.checkpoint import training as checkpointing
 from emapg_megatron.errors import CollectiveError, ConfigError, RunError, agreed
 from emapg_megatron.metrics import MetricsLogger
-from emapg_megatron.training import loop
+from emapg_megatron.training import loop, prompt_cache
 from emapg_megatron.training.collectives import on_rank0
 from emapg_megatron.training.outputs import clear_earlier_run
 from emapg_megatron.training.run_lock import lock_save_dir
@@ -36,6 +36,7 @@ def run(argv=None) -> int:
     if load:
         checkpointing.check_train_iters(cfg.loop.train_iters, load)
     runtime.initialize(cfg.parallel, cfg.loop.seed)
+    prompt_cache.release()  # every rank has read the node's prompts: its process group exists
     save_lock = None
     try:
         save_lock = lock_save_dir(save) if save else None  # one run per --save directory

@@ -421,3 +421,30 @@ def _mixed_column_error(where: str, columns: Mapping[str, list],
             return DataFileError(where, f"column {mapping.get(name, name)!r} mixes values of types "
                                         f"{', '.join(kinds)} across rows ({detail}); give it one type")
     return DataFileError(where, "its rows do not fit one table")
+
+
+class TableRows(Sequence):
+    """The rows of an arrow table as dicts, made on access: a million prompts stay one columnar
+    table (memory-mapped when read from a file, so the ranks of a node share its pages) instead of
+    a million dicts in each process. ``rows[i]`` and ``rows[a:b]`` equal ``table.to_pylist()``'s."""
+
+    def __init__(self, table: pa.Table):
+        self.table = table
+
+    def __len__(self) -> int:
+        return self.table.num_rows
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            start, stop, step = index.indices(len(self))
+            if step != 1:
+                return [self[i] for i in range(start, stop, step)]
+            return self.table.slice(start, max(0, stop - start)).to_pylist()
+        n = len(self)
+        if not -n <= index < n:
+            raise IndexError(f"row {index} of {n}")
+        return self.table.slice(index % n, 1).to_pylist()[0]
+
+    def select(self, indices: Sequence[int]) -> "TableRows":
+        """The rows at ``indices``, in that order."""
+        return TableRows(self.table.take(pa.array(indices, type=pa.int64())))

@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional, Sequence
 from emapg_megatron.errors import ConfigError
 from emapg_megatron.tasks.base import encode_many, encode_text
 from emapg_megatron.tasks.config import LONG_PROMPT_MODES
-from emapg_megatron.tasks.data import DataFileError, MissingColumnError
+from emapg_megatron.tasks.data import DataFileError, MissingColumnError, TableRows
 
 #: the training CLI's flags named in the messages
 DATA_FLAG = "--data-path"
@@ -32,7 +32,8 @@ _CHUNK = 1024  # rows rendered and tokenized at a time
 class TrainingPrompts:
     """The rows to train on and what loading them found.
 
-    ``rows``: list of dicts (canonical fields plus ``_index`` / ``_file`` for file data).
+    ``rows``: a sequence of dicts (canonical fields plus ``_index`` / ``_file`` for file data: a
+    :class:`~emapg_megatron.tasks.data.TableRows`; a list for built-in rows).
     ``prompt_lengths[k]``: tokens of ``rows[k]``'s prompt as the trainer encodes it.
     ``max_prompt_tokens``: the longest prompt allowed (``seq_length`` minus the response budget).
     ``total``: usable rows before long prompts were dropped. ``dropped``: row indices (as in the
@@ -100,7 +101,7 @@ def _load_rows(task, data_path: Optional[str], fields, log) -> tuple[list, str, 
                           f"non-empty {required}): {_format_bad(bad)}")
     if bad:
         log(f"{DATA_FLAG} {path}: skipped {len(bad)} of {total} malformed rows ({_format_bad(bad)})")
-    return ds.to_list(), path, len(bad)
+    return TableRows(ds.data.table), path, len(bad)
 
 
 def _prompt_lengths(task, rows: list, tokenizer, source: str) -> list[int]:
@@ -184,9 +185,10 @@ def load_training_prompts(task, data_path: Optional[str], tokenizer, *, seq_leng
                           f"{'shorten them, raise' if from_file else 'raise'} --seq-length, or pass "
                           f"{LONG_PROMPTS_FLAG} drop to drop them")
     drop = set(over)
+    kept = [j for j in range(len(rows)) if j not in drop]
     result.dropped = [_row_index(rows[j], j) for j in over]
-    result.rows = [r for j, r in enumerate(rows) if j not in drop]
-    result.prompt_lengths = [n for j, n in enumerate(lengths) if j not in drop]
+    result.rows = rows.select(kept) if isinstance(rows, TableRows) else [rows[j] for j in kept]
+    result.prompt_lengths = [lengths[j] for j in kept]
     log(f"{LONG_PROMPTS_FLAG} drop: dropped {len(over)} of {len(rows)} prompts in {source} "
         f"{what} ({first}); training on {len(result.rows)}")
     return result

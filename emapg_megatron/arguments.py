@@ -18,7 +18,7 @@ from importlib import resources
 
 from emapg_megatron import configurable
 from emapg_megatron.algo.config import LossConfig, StepConfig
-from emapg_megatron.anchor.config import EmaConfig
+from emapg_megatron.anchor.config import EmaConfig, TeacherConfig
 from emapg_megatron.checkpoint.paths import holds_checkpoint
 from emapg_megatron.configurable import at_least, option
 from emapg_megatron.errors import ConfigError
@@ -78,6 +78,7 @@ class RunConfig:
     loss: LossConfig = field(default_factory=LossConfig)
     kl: KLConfig = field(default_factory=KLConfig)
     ema: EmaConfig = field(default_factory=EmaConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
 
     def flags(self) -> dict:
         """``{flag dest: value}`` of every option: what --dry-run prints and a checkpoint records."""
@@ -151,12 +152,30 @@ def validate(cfg: RunConfig, world_size: int) -> None:
     cfg.loss.validate()
     cfg.kl.validate()
     cfg.ema.validate(cfg.optim.use_distributed_optimizer)
+    cfg.teacher.validate()
+    _validate_teacher(cfg)
     _validate_schedule(cfg)
     _validate_batches(cfg, world_size)
     _validate_engines(cfg)
     configurable.check_paths(cfg, outputs=not dry)
     if not dry:  # a dry run's paths may be another machine's
         _validate_fresh_outputs(cfg)
+
+
+def _validate_teacher(cfg: RunConfig) -> None:
+    """A teacher replaces the EMA anchor: the EMA's flags cannot apply, and the teacher must be used."""
+    teacher = cfg.teacher
+    if not teacher.path:
+        _check(cfg.step.task_reward, "--no-task-reward is for distillation: it needs a teacher "
+                                     "(--teacher-load-hf or --teacher-checkpoint)")
+        return
+    for f in configurable.option_fields(EmaConfig):
+        _check(getattr(cfg.ema, f.name) == f.default,
+               f"{configurable.flag_of(f)} cannot apply with {teacher.flag}: the teacher replaces the "
+               "EMA anchor (the EMA is not kept)")
+    _check(cfg.loss.kl_coef > 0 or cfg.step.kl_in_reward_coef > 0,
+           f"{teacher.flag} needs --kl-coef > 0 (the KL to the teacher in the loss) or "
+           "--kl-in-reward-coef > 0 (its sampled log-ratio in the reward)")
 
 
 def _validate_schedule(cfg: RunConfig) -> None:

@@ -23,6 +23,11 @@ from transformers import AutoTokenizer
 from emapg_megatron import arguments, runtime
 from emapg_megatron.algo.config import StepConfig
 from emapg_megatron.anchor import EmaAnchor, StabilityMonitor
+from emapg_megatron.anchor.teacher import (
+    Teacher,
+    check_same_tokenizer,
+    teacher_model_config,
+)
 from emapg_megatron.arguments import RunConfig
 from emapg_megatron.checkpoint import load_hf_weights
 from emapg_megatron.checkpoint.convert import (
@@ -73,6 +78,8 @@ class RunInputs:
     """The HF architecture the model is (--load-hf's, else the one the flags build), or None."""
     hf_config: dict | None = None
     """--load-hf's config.json, as read once at start-up."""
+    teacher_cfg: ModelConfig | None = None
+    """The distillation teacher's architecture (--teacher-load-hf / --teacher-checkpoint), or None."""
 
 
 def prepare(argv=None) -> RunInputs:
@@ -85,9 +92,21 @@ def prepare(argv=None) -> RunInputs:
     if cfg.model.pretrained_checkpoint:
         check_pretrained_architecture(model_cfg, cfg.model.pretrained_checkpoint)
     tokenizer, task = build_tokenizer_and_task(cfg)
+    teacher_cfg = teacher_architecture(cfg, model_cfg, tokenizer)
     prompts = load_prompts(cfg, tokenizer, task, cfg.task.data_path)
     return RunInputs(cfg, model_cfg, tokenizer, task, prompts, load_eval_rows(cfg, tokenizer, task),
-                     arch, hf_cfg)
+                     arch, hf_cfg, teacher_cfg)
+
+
+def teacher_architecture(cfg: RunConfig, model_cfg: ModelConfig, tokenizer) -> ModelConfig | None:
+    """The teacher's architecture, checked against the student (None without a teacher)."""
+    if not cfg.teacher.path:
+        return None
+    parallel = cfg.parallel
+    teacher_cfg = teacher_model_config(cfg.teacher, model_cfg, tp=parallel.tensor_model_parallel_size,
+                                       pp=parallel.pipeline_model_parallel_size, seq_length=cfg.step.seq_length)
+    check_same_tokenizer(cfg.teacher, tokenizer)
+    return teacher_cfg
 
 
 def describe(inputs: RunInputs) -> str:
@@ -111,11 +130,20 @@ def build_trainer(inputs: RunInputs) -> Trainer:
     head = output_head(model_cfg.vocab_size, fused=cfg.step.fused_lm_head,
                        sequence_parallel=cfg.parallel.sequence_parallel)
     return Trainer(model_chunks=chunks, optimizer=optimizer, scheduler=scheduler,
-                   anchor=EmaAnchor(chunks, optimizer, cfg.ema), monitor=monitor,
+                   anchor=build_anchor(inputs, chunks, optimizer), monitor=monitor,
                    sampler=build_rollout_engine(cfg, chunks, model_cfg, inputs.tokenizer),
                    task=inputs.task, tokenizer=inputs.tokenizer,
                    passes=PolicyPasses(cfg.kl, cfg.loss, model_cfg.vocab_size, head),
                    step_cfg=cfg.step, data=PromptSchedule(inputs.prompts.rows, cfg.loop.seed))
+
+
+def build_anchor(inputs: RunInputs, chunks, optimizer):
+    """The KL anchor: the distillation teacher when one is given, else the EMA of the policy."""
+    cfg = inputs.config
+    if inputs.teacher_cfg is None:
+        return EmaAnchor(chunks, optimizer, cfg.ema)
+    return Teacher.build(cfg.teacher, inputs.teacher_cfg, cfg.precision,
+                         sequence_parallel=cfg.parallel.sequence_parallel)
 
 
 def evaluation(inputs: RunInputs, trainer: Trainer):

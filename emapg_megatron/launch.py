@@ -128,8 +128,9 @@ def quiet_torchrun_logs() -> None:
 
 
 def failure_code(failures: dict) -> int:
-    """The first failed rank's exit code; a rank killed by a signal is reported in one line."""
-    rank, failure = min(failures.items())
+    """The first failed rank's exit code; a rank killed by a signal is reported in one line. A
+    rank that exited with a code wins over ranks torchrun then stopped with SIGTERM."""
+    rank, failure = min(failures.items(), key=lambda item: (item[1].exitcode <= 0, item[0]))
     if failure.exitcode > 0:
         return failure.exitcode
     name = signal.Signals(-failure.exitcode).name if failure.exitcode < 0 else "an unknown cause"

@@ -250,6 +250,9 @@ class Trainer:
 
         Only the last pipeline stage uses them.
         """
+        if not self.cfg.task_reward:  # pure distillation: the KL terms alone drive the update
+            batch = {**batch, "reward": torch.zeros_like(batch["reward"])}
+            all_rewards = torch.zeros_like(all_rewards)
         shaped = self.shaped_rewards(batch["reward"], batch)
         if shaped is not batch["reward"]:
             all_rewards = gather_at(shaped, batch["seq_pos"], all_rewards.numel(), self._dp()[2])
@@ -293,19 +296,18 @@ class Trainer:
         return 8 * tp if cfg.fp8 else tp
 
     def no_grad_passes(self, batch: dict) -> dict:
-        """The old-policy pass, then the anchor pass with the EMA swapped in: per-token outputs
+        """The old-policy pass, then the anchor pass (the EMA swapped in, or the teacher): per-token outputs
         merged into ``batch``. One micro-batch plan serves both: the lengths do not change."""
         plan = self.batching.plan(batch)  # packing: a collective over DP
         self.padding_fraction = plan.padding_fraction
 
-        def run(pass_fn, batch):
+        def run(pass_fn, batch, chunks):
             mbs = plan.split(batch)
-            return plan.merge(forward_only(self.model_chunks, mbs, pass_fn,
-                                           fused_lmhead=self.passes.head.fused), mbs)
+            return plan.merge(forward_only(chunks, mbs, pass_fn, fused_lmhead=self.passes.head.fused), mbs)
 
-        batch = {**batch, **run(self.passes.old, batch)}
-        with self.anchor.swapped_in():
-            return {**batch, **run(self.passes.anchor, batch)}  # with the old pass's top-k ids
+        batch = {**batch, **run(self.passes.old, batch, self.model_chunks)}
+        with self.anchor.model() as anchor_chunks:  # the EMA swapped in, or the teacher
+            return {**batch, **run(self.passes.anchor, batch, anchor_chunks)}  # with the old pass's top-k ids
 
     def train_minibatch(self, batch: dict) -> dict:
         """One optimizer step over ``batch`` (this rank's share of a mini-batch)."""
@@ -414,16 +416,14 @@ class Trainer:
             # in fp64: exact for float32 rewards, so independent of the DP gather order
             "reward_mean": float(rewards.double().mean()),
             "reward_std": float(rewards.double().std()),
-            # groups whose samples all got one reward: no advantage, so no policy gradient from them
-            "zero_std_group_frac": float((rewards.view(-1, self.cfg.num_samples).std(dim=1) == 0)
-                                         .double().mean()),
+            **self._zero_std_group_frac(rewards),
             "kl": g["kl"] / tokens,
             "entropy": g["entropy"] / tokens,
             "clip_frac": g["clip_frac"] / tokens,
             # share of response tokens truncated (tis) or masked (mis); 0 without --rollout-is
             "rollout_is_corrected_frac": g["rollout_is_corrected"] / tokens,
             "pg_loss": g["pg_loss"] / tokens,
-            "ema_lag": self.anchor.lag(),
+            **self.anchor.metrics(),  # ema_lag, or the teacher pass's seconds
             "response_len": g["gen_tokens"] / rewards.numel(),
             "tokens_per_s": g["gen_tokens"] / elapsed,
             "rollout_time_s": t_rollout - t0,
@@ -440,6 +440,14 @@ class Trainer:
             "updates_refused": stats["updates_refused"],
             **self._episode_metrics(g, rewards.numel()),
         }
+
+    def _zero_std_group_frac(self, rewards: torch.Tensor) -> dict:
+        """Groups whose samples all got one reward: no advantage, so no policy gradient from them
+        (nothing to say without the task's reward in the advantages)."""
+        if not self.cfg.task_reward:
+            return {}
+        same = rewards.view(-1, self.cfg.num_samples).std(dim=1) == 0
+        return {"zero_std_group_frac": float(same.double().mean())}
 
     def _episode_metrics(self, sums: dict, episodes: int) -> dict:
         """Multi-turn tasks: the environments' counts per episode, and the share of valid turns."""

@@ -25,7 +25,9 @@ FREE_TEXT = {"--preset", "--config", "--retriever", "--wandb-project", "--wandb-
              "--answer-key"}  # free strings
 ADDED = {"--overwrite", "--kl-reference-clamps", "--rollout-dump-interval", "--wandb-project",
          "--wandb-exp-name", "--prompt-key", "--answer-key", "--eval-interval", "--eval-data-path",
-         "--eval-samples", "--eval-max-prompts"}  # flags added since, on purpose
+         "--eval-samples", "--eval-max-prompts", "--teacher-load-hf", "--teacher-checkpoint",
+         "--teacher-cpu-offload", "--task-reward"}  # flags added since, on purpose
+NEGATED = {"--no-task-reward"}  # the negations of added switches
 
 
 def _options():
@@ -40,7 +42,7 @@ def test_every_flag_and_alias_of_the_old_parser_is_accepted_with_its_default():
             assert name in actions, f"{name} is no longer accepted"
             assert actions[name].default == default, (name, actions[name].default, default)
     assert {s for s in actions if s not in ("-h", "--help")} == \
-        {s for names in golden for s in names.split(",")} | ADDED  # and no flag was added by accident
+        {s for names in golden for s in names.split(",")} | ADDED | NEGATED  # no flag added by accident
 
 
 def test_every_option_declares_its_check():

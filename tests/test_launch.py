@@ -151,3 +151,16 @@ def test_what_a_dead_rank_left_running_is_adopted_and_ended():
     is their subreaper and ends them with the run (issue 28)."""
     r = subprocess.run([sys.executable, "-c", ADOPTION, ROOT], capture_output=True, text=True, timeout=120)
     assert r.stdout.split() == ["True", "True"], r.stdout + r.stderr
+
+
+def test_a_ranks_exit_code_wins_over_the_sigterm_torchrun_sent_the_others(capsys):
+    """Rank 1 exits 2 (a bad checkpoint, said by rank 0), torchrun then stops rank 0 while it
+    tears down: the run exits 2 with no second line about a signal."""
+    from types import SimpleNamespace
+
+    from emapg_megatron.launch import failure_code
+
+    failures = {0: SimpleNamespace(exitcode=-15), 1: SimpleNamespace(exitcode=2)}
+    assert failure_code(failures) == 2 and capsys.readouterr().err == ""
+    assert failure_code({0: SimpleNamespace(exitcode=-9)}) == 1
+    assert "rank 0 was stopped by SIGKILL" in capsys.readouterr().err

@@ -66,7 +66,11 @@ class StepConfig:
     advantage_eps: float = option(1e-6, range=at_least(0))
     """Epsilon added to the std."""
     kl_in_reward_coef: float = option(0.0, range=at_least(0))
-    """Sequence-level KL subtracted from the reward (WARP baseline); 0 disables."""
+    """Sequence-level KL subtracted from the reward (WARP baseline); 0 disables. With a teacher,
+    the sampled-token log-ratio to it: the peers' sampled-token distillation signal."""
+    task_reward: bool = option(True, negatable=True)
+    """Form the advantages from the task's reward; --no-task-reward leaves them to the KL terms
+    alone (pure on-policy distillation: needs a teacher). The reward is still computed and logged."""
 
     @property
     def rollout_size(self) -> int:

@@ -29,7 +29,7 @@ from megatron.core.dist_checkpointing.mapping import (
 )
 
 from emapg_megatron.checkpoint.safe_load import verify_checkpoint_metadata
-from emapg_megatron.errors import ConfigError
+from emapg_megatron.errors import ConfigError, agreed
 from emapg_megatron.models.gpt import unwrap
 
 logger = logging.getLogger(__name__)
@@ -180,8 +180,12 @@ def check_checkpoint(anchor, ckpt_dir: str) -> None:
             if sh.key in checked:
                 continue
             checked.add(sh.key)
+            if sh.key not in stored and not any(k.startswith("ema.") for k in stored):
+                raise agreed(ConfigError(f"checkpoint {ckpt_dir} holds no EMA anchor (a distillation "
+                                         "run's: give its teacher again, --teacher-load-hf or "
+                                         "--teacher-checkpoint)"))
             if sh.key not in stored:
-                raise ConfigError(f"checkpoint {ckpt_dir} has no EMA tensor {sh.key}")
+                raise agreed(ConfigError(f"checkpoint {ckpt_dir} has no EMA tensor {sh.key}"))
             shape, want = tuple(stored[sh.key].global_shape), tuple(sh.global_shape)
             if sh.allow_shape_mismatch:  # padded vocabulary: only the hidden dims must agree
                 shape, want = shape[1:], want[1:]

@@ -33,3 +33,36 @@ class EmaConfig:
         if self.shard_over_dp and not use_distributed_optimizer:
             raise ConfigError("--ema-shard-over-dp needs --use-distributed-optimizer: the EMA is "
                               "sharded like the distributed optimizer's main params")
+
+
+@dataclass
+class TeacherConfig:
+    """On-policy distillation: a frozen teacher takes the EMA's place as the KL anchor."""
+
+    load_hf: str | None = option(None, flag="--teacher-load-hf", path="dir")
+    """A Hugging Face model folder (converted on load, like --load-hf) to distil from: the KL term
+    becomes KL(student || teacher) (--kl-loss-type, --kl-tail and --kl-coef keep their meaning;
+    --kl-in-reward-coef subtracts the sequence's sampled-token log-ratio to the teacher from the
+    reward). The teacher needs the student's tokenizer and vocabulary; its depth and width are its
+    own. The EMA anchor is off: the --ema-* flags cannot be given."""
+    checkpoint: str | None = option(None, flag="--teacher-checkpoint", path="dir")
+    """A Megatron checkpoint to distil from instead of --teacher-load-hf: emapg-convert hf-to-mcore's
+    output, a trainer's --save directory (its latest step) or one of its iter_N directories."""
+    cpu_offload: bool = option(False, flag="--teacher-cpu-offload")
+    """Keep the teacher's weights in host memory between its passes (GPU runs)."""
+
+    @property
+    def path(self) -> str | None:
+        return self.load_hf or self.checkpoint
+
+    @property
+    def flag(self) -> str:
+        """The flag that named the teacher (for messages)."""
+        return "--teacher-load-hf" if self.load_hf else "--teacher-checkpoint"
+
+    def validate(self) -> None:
+        check_fields(self)
+        if self.load_hf and self.checkpoint:
+            raise ConfigError("give the teacher once: --teacher-load-hf or --teacher-checkpoint, not both")
+        if self.cpu_offload and not self.path:
+            raise ConfigError("--teacher-cpu-offload needs a teacher (--teacher-load-hf or --teacher-checkpoint)")

@@ -174,6 +174,16 @@ class EmaAnchor:
         with swap(self):
             yield self
 
+    @contextmanager
+    def model(self):
+        """The anchor's model for its forward passes: the policy's chunks with the EMA swapped in
+        (the anchor interface it shares with ``anchor.teacher.Teacher``)."""
+        with self.swapped_in():
+            yield self.model_chunks
+
+    def metrics(self) -> dict:
+        return {"ema_lag": self.lag()}
+
     # ------------------------------------------------------------------ diagnostics
     @torch.no_grad()
     def lag(self) -> float:

@@ -55,7 +55,7 @@ def test_bad_input_is_one_line_before_any_rank_starts(tmp_path):
     (["--lr-warmup-steps", "2"], "error: unrecognized arguments: --lr-warmup-steps 2 (did you mean "
                                  "--lr-warmup-iters?)"),
     (["--kl-tail", "bogus"], "error: argument --kl-tail: invalid choice: 'bogus' (choose from 'unbiased', "
-                             "'paper', 'none')"),
+                             "'paper', 'none', 'truncate', 'renorm')"),
 ])
 def test_no_prefix_matching_and_a_hint_for_unknown_flags(argv, line):
     assert in_process("--dry-run", *argv) == (2, line)

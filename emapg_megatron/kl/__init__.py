@@ -3,7 +3,8 @@
 Modules, one concern each:
 
 * :mod:`.sampled`     - sampled estimators K1, K2, K3, K3++, K4, K5 (Table 1, §5.2)
-* :mod:`.topk`        - Top-k KL, Algorithms 1/2 with the ``unbiased`` / ``paper`` / ``none`` tails
+* :mod:`.topk`        - Top-k KL, Algorithms 1/2 with the ``unbiased`` / ``paper`` / ``none``
+  (= ``truncate``) / ``renorm`` tails
 * :mod:`.fdiv`        - sampled Kf++ and Top-k f-divergences (Appendix H) and exact references
 * :mod:`.exact`       - exact per-token KL over the full vocabulary
 * :mod:`.sequence`    - sequence-level KL (eq. 10-12), the WARP / InstructGPT baseline
@@ -41,7 +42,14 @@ from .registry import (
 )
 from .sampled import SAMPLED_ESTIMATOR_DIRECTION, SAMPLED_ESTIMATORS, sampled_kl
 from .sequence import sequence_kl, sequence_kl_loss, sequence_kl_penalized_reward
-from .topk import PAPER_K5_LOG_W_CLAMP, TOPK_TAILS, topk_kl, topk_kl_from_gathered
+from .topk import (
+    PAPER_K5_LOG_W_CLAMP,
+    SAMPLED_TAILS,
+    TOPK_TAILS,
+    has_sampled_term,
+    topk_kl,
+    topk_kl_from_gathered,
+)
 
 __all__ = [
     # the --kl-loss-type registry
@@ -58,6 +66,7 @@ __all__ = [
     "SAMPLED_ESTIMATORS",
     "SAMPLED_ESTIMATOR_DIRECTION",
     "TOPK_TAILS",
+    "SAMPLED_TAILS",
     "KL_DIRECTIONS",
     "F_DIVERGENCES",
     "ALL_DIVERGENCES",
@@ -81,6 +90,7 @@ __all__ = [
     "sequence_kl_penalized_reward",
     # helpers
     "importance_weight",
+    "has_sampled_term",
     "check_unique_indices",
     "token_in_topk",
 ]

@@ -22,6 +22,7 @@ __all__ = [
     "check_unique_indices",
     "token_in_topk",
     "gather_last",
+    "log_renormalize",
 ]
 
 IWClip = Optional[Tuple[Optional[float], Optional[float]]]
@@ -130,6 +131,19 @@ def gather_last(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     if index.dim() == x.dim() - 1:
         return x.gather(-1, index.unsqueeze(-1)).squeeze(-1)
     return x.gather(-1, index)
+
+
+def log_renormalize(logprob_q: torch.Tensor) -> torch.Tensor:
+    """Log-probs ``[..., k]`` renormalised over their last dim: ``log p(j) - log sum_{i in q} p(i)``.
+
+    A row without mass (every entry ``-inf``, or k = 0) stays as it is: it has no distribution to
+    renormalise, and leaving it ``-inf`` keeps the zero-mass conventions of the terms downstream
+    (and NaN out of the gradient, which ``logsumexp`` of an all ``-inf`` row would produce).
+    """
+    empty = ~torch.isfinite(logprob_q).any(dim=-1, keepdim=True)
+    zero = torch.zeros((), dtype=logprob_q.dtype, device=logprob_q.device)
+    log_mass = torch.logsumexp(torch.where(empty, zero, logprob_q), dim=-1, keepdim=True)
+    return logprob_q - torch.where(empty, zero, log_mass)
 
 
 def _check_name(name: str, valid: Sequence[str], what: str) -> str:

@@ -24,11 +24,14 @@ class KLConfig:
     """alpha of the alpha-divergence (--kl-loss-type topk-alpha only): any finite value but 0 and
     1, which are the two KL limits."""
     tail: str = option("unbiased", flag="--kl-tail", choices=TOPK_TAILS)
-    """Top-k tail: unbiased (corrected gradient), paper (Algorithms 1/2 as printed), none."""
+    """Top-k tail: unbiased (default: exact KL in expectation, value and gradient), paper
+    (Algorithms 1/2 as printed: biased gradient), and the peers' biased, deterministic ones for
+    comparison: none = truncate (the exact terms on q only, as verl's top-k distillation), renorm
+    (KL of student and anchor both renormalised over q, as NeMo-RL's). See docs/kl_estimators.md."""
     iw_clip: tuple[float, float] | None = option(None, flag="--kl-iw-clip", metavar=("MIN", "MAX"),
                                                  range=at_least(0))
     """Clip the importance weight pi/pi_sampling of the sampled KL terms: the Top-k estimators'
-    tail (no effect with --kl-tail none) and the sampled k1..k5 estimators."""
+    tail (no effect with --kl-tail none, truncate or renorm) and the sampled k1..k5 estimators."""
     reference_clamps: bool = option(False, flag="--kl-reference-clamps")
     """Apply the paper's reference code's numerical clamps (biased where they bind; off: the exact
     formulas): log(pi/pi_sampling) to [-20, 20] before the importance weight's exp, log w to

@@ -21,7 +21,11 @@ y ~ pi_theta, and it carries no baseline, so its masked tail ``1(y not in q) Kf+
 gradient as well (eq. 125). Hence :func:`topk_fdiv` = exact truncated f-divergence on q + masked
 Kf++ tail is unbiased in value and gradient for any fixed q and any 0 <= k <= V, exactly as printed
 in Appendix H.3; ``tail="paper"`` is therefore the same estimator as ``"unbiased"`` and accepted for
-symmetry with :func:`~emapg_megatron.kl.topk.topk_kl`. ``tail="none"`` gives the truncated term.
+symmetry with :func:`~emapg_megatron.kl.topk.topk_kl`. ``tail="none"`` (or ``"truncate"``) gives
+the truncated term, ``tail="renorm"`` the f-divergence ``sum_{j in q} r^(j) f(p^(j)/r^(j))`` of the
+two distributions renormalised over q (``p^ = pi/m``, ``r^ = ref/m_ref``): a divergence between
+distributions on q for every f, exact at k = V, biased otherwise, the KL rows' ``renorm`` of
+:mod:`~emapg_megatron.kl.topk`.
 (Note the KL rows differ from K4/K5: ``divergence="reverse_kl"`` uses ``r (-log w)``, not
 ``r sg(-log w)``; it is unbiased but has higher variance than the corrected K4 tail.)
 
@@ -40,6 +44,7 @@ Tables 9/10 list). Squared Hellinger follows Table 5's 1/2 normalisation (Tables
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Optional
 
 import torch
@@ -64,7 +69,7 @@ from .divergences import (
     g_of_log_w,
     log_w_range,
 )
-from .topk import TOPK_TAILS, gather_topk_inputs
+from .topk import TOPK_TAILS, gather_topk_inputs, has_sampled_term, on_q_term
 
 __all__ = [
     "F_DIVERGENCES",
@@ -147,9 +152,10 @@ def topk_fdiv_from_gathered(
     :func:`~emapg_megatron.kl.topk.topk_kl_from_gathered` for the argument conventions."""
     check_divergence(divergence, alpha)
     _check_name(tail, TOPK_TAILS, "Top-k tail")
-    trunc = divergence_terms(logprob_topk, ref_logprob_topk.detach(), divergence, alpha).sum(dim=-1)
-    if tail == "none":
-        return trunc
+    terms = partial(divergence_terms, name=divergence, alpha=alpha)
+    on_q = on_q_term(terms, logprob_topk, ref_logprob_topk.detach(), tail)
+    if not has_sampled_term(tail):
+        return on_q
     in_tail = ~token_in_q
     zero = torch.zeros((), dtype=logprob_token.dtype, device=logprob_token.device)
     lp_y = torch.where(in_tail, logprob_token, zero)
@@ -159,7 +165,7 @@ def topk_fdiv_from_gathered(
     tail_est = sampled_fdiv_unweighted(lp_y, lr_y, divergence, alpha, bounds)
     if iw is not None:
         tail_est = iw * tail_est
-    return trunc + torch.where(in_tail, tail_est, zero)
+    return on_q + torch.where(in_tail, tail_est, zero)
 
 
 def topk_fdiv(

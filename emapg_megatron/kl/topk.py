@@ -35,9 +35,26 @@ Tail variants (``tail=``, see :data:`TOPK_TAILS`)
     above (with opposite signs for the dropped / added baseline). At k = 0 (m = 0) and k = V
     (m = 1) the bias vanishes. The ``"unbiased"`` tail keeps the low-variance baselines and removes
     their tail-restricted mean deterministically through ``m``.
-``"none"``
+``"none"``, also named ``"truncate"``
     Truncated KL: the exact term on q only, no tail and no importance weight. Biased in value and
-    gradient (it omits the tail), zero variance; the reference's ``kl_use_tail_sampling=false``.
+    gradient (it omits the tail), zero variance; the reference's ``kl_use_tail_sampling=false`` and
+    verl's top-k forward-KL distillation loss. Bias: ``E[value] - KL = -(the tail terms)``, e.g.
+    ``-sum_{j not in q} pi(j) log(pi(j)/ref(j))`` for reverse, and the gradient of that.
+``"renorm"``
+    The KL between the policy and the anchor both renormalised over q, ``p^ = pi/m`` and
+    ``r^ = ref/m_ref`` with ``m_ref = sum_{j in q} ref(j)`` (NeMo-RL's top-k distillation loss)::
+
+        reverse:  sum_{j in q} p^(j) [log p^(j) - log r^(j)] = T/m - log m + log m_ref
+        forward:  sum_{j in q} r^(j) [log r^(j) - log p^(j)] = T/m_ref - log m_ref + log m
+
+    T the ``"none"`` value. No tail, no importance weight, zero variance given q; biased in value
+    and gradient for 0 < k < V (the bias is the right-hand side minus the KL), exact at k = V
+    (m = m_ref = 1). Its gradient never reaches a logit outside q (p^ is the softmax of the logits
+    at q). At k = 0 it is the empty sum, 0.
+
+``"none"``, ``"truncate"`` and ``"renorm"`` are the peers' biased estimators, kept to compare with
+(on-policy distillation: the anchor is a teacher); ``docs/kl_estimators.md`` "Distillation tails"
+proves their bias by enumeration.
 
 Reference clamps: ``reference_clamps=True`` adds the reference code's other clamps to any tail:
 log w to [-20, 20] in the K5 tail (as ``"paper"`` always does) and log s to [-20, 20] in the
@@ -49,7 +66,8 @@ e^24 to spare; beyond that (K5: log w > 64.7 in fp32, > 685.8 in fp64, see
 values and gradients stay finite. See ``docs/kl_estimators.md``.
 
 Special cases: k = 0 (``topk_index`` of shape ``[..., 0]``) gives the sampled estimator (K4 for
-reverse, K5 for forward, times s); k = V gives the exact KL, value and gradient, for every token.
+reverse, K5 for forward, times s) for the sampled tails, 0 for the others; k = V gives the exact
+KL, value and gradient, for every token and every tail.
 
 Factoring for a vocab-parallel implementation
 ---------------------------------------------
@@ -64,7 +82,8 @@ mass m is ``exp(logprob_topk).sum(-1)``, so it needs no extra reduction. The sam
 
 from __future__ import annotations
 
-from typing import Optional
+from functools import partial
+from typing import Callable, Optional
 
 import torch
 
@@ -78,6 +97,7 @@ from ._common import (
     compute_dtype,
     gather_last,
     importance_weight,
+    log_renormalize,
     sg,
     token_in_topk,
     upcast,
@@ -86,11 +106,21 @@ from .divergences import log_w_range
 from .exact import KL_DIRECTIONS, KL_GENERATOR, kl_terms
 from .sampled import sampled_kl_unweighted
 
-__all__ = ["TOPK_TAILS", "PAPER_K5_LOG_W_CLAMP", "topk_kl", "topk_kl_from_gathered"]
+__all__ = [
+    "TOPK_TAILS",
+    "SAMPLED_TAILS",
+    "PAPER_K5_LOG_W_CLAMP",
+    "has_sampled_term",
+    "on_q_term",
+    "topk_kl",
+    "topk_kl_from_gathered",
+]
 
 #: Valid ``tail`` values: the corrected estimator, Algorithms 1/2 as the reference code runs them,
-#: truncated KL.
-TOPK_TAILS = ("unbiased", "paper", "none")
+#: truncated KL (``"none"`` and its other name ``"truncate"``), the KL renormalised over q.
+TOPK_TAILS = ("unbiased", "paper", "none", "truncate", "renorm")
+#: The tails that add the sampled term on y not in q; the others are deterministic given q.
+SAMPLED_TAILS = ("unbiased", "paper")
 
 #: The reference code clamps log w to [-20, 20] in its K5 ("numerical stability"), both in the
 #: Top-k forward tail and in its sampled ``k5``; ``tail="paper"`` reproduces it.
@@ -106,6 +136,23 @@ def _tail_log_w_range(direction: str, tail: str, dtype: torch.dtype, reference_c
     if tail == "paper" or reference_clamps:
         return PAPER_K5_LOG_W_CLAMP if direction == "forward" else NO_CLAMP
     return log_w_range(KL_GENERATOR[direction], None, dtype)
+
+
+def has_sampled_term(tail: str) -> bool:
+    """Whether ``tail`` adds the sampled term on y not in q, the only term the importance weight
+    (and so the sampling log-prob and ``iw_clip``) acts on."""
+    return tail in SAMPLED_TAILS
+
+
+def on_q_term(terms: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], logprob_topk: torch.Tensor,
+              ref_logprob_topk: torch.Tensor, tail: str) -> torch.Tensor:
+    """The exact part on q, ``[...]``: ``sum_{j in q} terms(log pi(j), log ref(j))``, of the two
+    distributions renormalised over q for ``tail="renorm"`` (the anchor's mass on q comes from
+    its log-probs at q, so no vocabulary-wide quantity is needed). ``terms`` is the elementwise
+    KL or f-divergence term."""
+    if tail == "renorm":
+        logprob_topk, ref_logprob_topk = log_renormalize(logprob_topk), log_renormalize(ref_logprob_topk)
+    return terms(logprob_topk, ref_logprob_topk).sum(dim=-1)
 
 
 def topk_kl_from_gathered(
@@ -130,17 +177,17 @@ def topk_kl_from_gathered(
         token_in_q: ``[...]`` bool, whether y is in q.
         direction: ``"reverse"`` or ``"forward"``.
         tail: one of :data:`TOPK_TAILS`.
-        iw: ``[...]`` importance weight s (already stop-gradient and clipped), ``None`` for s = 1.
+        iw: ``[...]`` importance weight s (already stop-gradient and clipped), ``None`` for s = 1;
+            unused by the tails without a sampled term (:func:`has_sampled_term`).
         reference_clamps: clamp log w in the K5 tail to the reference code's [-20, 20] (any tail).
 
     All floating inputs must share one dtype (the compute dtype). Returns ``[...]``.
     """
     _check_name(direction, KL_DIRECTIONS, "KL direction")
     _check_name(tail, TOPK_TAILS, "Top-k tail")
-    ref_q = ref_logprob_topk.detach()
-    trunc = kl_terms(logprob_topk, ref_q, direction).sum(dim=-1)
-    if tail == "none":
-        return trunc
+    on_q = on_q_term(partial(kl_terms, direction=direction), logprob_topk, ref_logprob_topk.detach(), tail)
+    if not has_sampled_term(tail):
+        return on_q
     # Masked sampled tail; inputs zeroed where y is in q so no inf/NaN reaches the gradient.
     in_tail = ~token_in_q
     zero = torch.zeros((), dtype=logprob_token.dtype, device=logprob_token.device)
@@ -150,7 +197,7 @@ def topk_kl_from_gathered(
     tail_est = sampled_kl_unweighted(lp_y, lr_y, _TAIL_ESTIMATOR[direction], bounds)
     if iw is not None:
         tail_est = iw * tail_est
-    out = trunc + torch.where(in_tail, tail_est, zero)
+    out = on_q + torch.where(in_tail, tail_est, zero)
     if tail == "unbiased" and logprob_topk.shape[-1] > 0:
         m = torch.exp(logprob_topk).sum(dim=-1)
         fix = m - sg(m)  # value 0, gradient grad m
@@ -182,7 +229,7 @@ def topk_kl(
         ref_logprob_topk: ``[..., k]`` anchor log-probs at q (constant).
         ref_logprob_token: ``[...]`` anchor log-prob at y (constant).
         direction: ``"reverse"`` for KL(pi||ref), ``"forward"`` for KL(ref||pi).
-        tail: ``"unbiased"`` (default), ``"paper"`` or ``"none"``; see the module docstring.
+        tail: one of :data:`TOPK_TAILS` (default ``"unbiased"``); see the module docstring.
         sampling_logprob: ``[...]`` log pi_sampling(y) for the off-policy weight; ``None`` = on-policy.
         iw_clip: ``(s_min, s_max)`` clip of the importance weight; ``None`` = unclipped.
         reference_clamps: the reference code's clamps (module docstring); ``False``: none.
@@ -210,7 +257,7 @@ def gather_topk_inputs(logits, token, topk_index, ref_logprob_topk, ref_logprob_
     logp = torch.log_softmax(upcast(logits, dt), dim=-1)
     lp_y = gather_last(logp, token)
     iw = None
-    if tail != "none" and (sampling_logprob is not None or iw_clip is not None):
+    if has_sampled_term(tail) and (sampling_logprob is not None or iw_clip is not None):
         iw = importance_weight(lp_y, upcast(sampling_logprob, dt), iw_clip, reference_clamps)
     return (gather_last(logp, topk_index), lp_y, upcast(ref_logprob_topk, dt),
             upcast(ref_logprob_token, dt), token_in_topk(token, topk_index), iw)

@@ -21,6 +21,7 @@ from emapg_megatron.kl import (
     TOPK_TAILS,
     KLLossType,
     check_unique_indices,
+    has_sampled_term,
     importance_weight,
     loss_type,
     token_in_topk,
@@ -61,8 +62,11 @@ def kl_from_policy_terms(
     ``topk-<f>`` for the f-divergences, ``alpha`` required for ``topk-alpha`` only). A bare
     generator name from ``ALL_DIVERGENCES`` means :func:`~emapg_megatron.kl.topk_fdiv_type` of it
     (not a CLI choice). Arguments are those of :func:`emapg_megatron.kl.topk_kl`; the result
-    equals it on the gathered logits. ``topk_index``, ``terms.logprob_topk`` and
-    ``ref_logprob_topk`` all ``None`` means k = 0 (the Top-k loss is its sampled tail alone).
+    equals it on the gathered logits, for every ``tail`` (``renorm`` takes the anchor's mass on q
+    from ``ref_logprob_topk``, so it needs nothing beyond the gathered quantities; the tails without
+    a sampled term ignore ``sampling_logprob`` and ``iw_clip``). ``topk_index``,
+    ``terms.logprob_topk`` and ``ref_logprob_topk`` all ``None`` means k = 0 (the Top-k loss is its
+    sampled tail alone, 0 for the tails without one).
     ``loss_mask`` zeroes masked tokens (whose inputs may be padding) and restricts the
     duplicate-id check on q to the unmasked ones. ``reference_clamps`` applies the reference code's
     clamps (``--kl-reference-clamps``): to the importance weight for every kind, and to the K3 /
@@ -82,7 +86,7 @@ def kl_from_policy_terms(
     lp_y = upcast(terms.logprob, dt)
     q, lp_q, ref_q = _index_set(entry, terms, tokens, topk_index, ref_logprob_topk, valid, dt)
     iw = None
-    if tail != "none" and (samp is not None or iw_clip is not None):
+    if has_sampled_term(tail) and (samp is not None or iw_clip is not None):
         iw = importance_weight(lp_y, upcast(samp, dt), iw_clip, reference_clamps)
     if entry.family == TOPK_KL:  # the f-divergence tails have no reference counterpart
         kwargs["reference_clamps"] = reference_clamps

@@ -53,6 +53,7 @@ from emapg_megatron.tasks.synthetic import CharTokenizer, CopyTask
 from emapg_megatron.trainer import PolicyPasses, Trainer
 from emapg_megatron.training import packing, prompt_cache
 from emapg_megatron.training.config import OptimConfig
+from emapg_megatron.training.loop import log0
 from emapg_megatron.training.model_and_optimizer import build_model_and_optimizer
 from emapg_megatron.training.optimizer_step import check_loaded_weights
 from emapg_megatron.training.prompt_data import PromptSchedule, load_training_prompts
@@ -142,8 +143,11 @@ def build_anchor(inputs: RunInputs, chunks, optimizer):
     cfg = inputs.config
     if inputs.teacher_cfg is None:
         return EmaAnchor(chunks, optimizer, cfg.ema)
-    return Teacher.build(cfg.teacher, inputs.teacher_cfg, cfg.precision,
-                         sequence_parallel=cfg.parallel.sequence_parallel)
+    t = inputs.teacher_cfg
+    teacher = Teacher.build(cfg.teacher, t, cfg.precision, sequence_parallel=cfg.parallel.sequence_parallel)
+    log0(f"teacher {cfg.teacher.path}: {t.num_layers} layers, hidden {t.hidden_size}, "
+         f"{teacher.memory_bytes() / 2**20:.1f} MiB of weights on rank 0")
+    return teacher
 
 
 def evaluation(inputs: RunInputs, trainer: Trainer):

@@ -193,3 +193,27 @@ def test_a_checkpoint_teacher_is_read_from_its_metadata(tiny, tmp_path):
             "--teacher-checkpoint", str(tmp_path / "mcore")]
     inputs = build.prepare(argv)
     assert inputs.teacher_cfg.num_layers == 3 and inputs.teacher_cfg.vocab_size == tiny["n"]
+
+
+@pytest.mark.slow
+def test_a_trainer_checkpoint_teaches_and_a_distilled_run_resumes_only_with_its_teacher(tmp_path):
+    """emapg-train end to end: a run's --save folder is a teacher; the distilled run resumes with
+    it; resumed without it, the checkpoint (no EMA) is refused in one line, exit 2."""
+    from test_launch import launch
+
+    teacher, student = tmp_path / "teacher", tmp_path / "student"
+    run = launch("--train-iters", "2", "--save", str(teacher), "--log-dir", str(tmp_path / "t-log"))
+    assert run.returncode == 0, run.stderr
+    distil = ["--teacher-checkpoint", str(teacher), "--num-layers", "1", "--no-task-reward",
+              "--kl-coef", "1", "--save", str(student), "--log-dir", str(tmp_path / "s-log")]
+    run = launch(*distil, "--train-iters", "2")
+    assert run.returncode == 0, run.stderr
+    assert "teacher " + str(teacher) + ": 2 layers" in run.stdout
+    run = launch(*distil, "--train-iters", "3", "--load", str(student))
+    assert run.returncode == 0, run.stderr
+    rest = [a for a in distil if a not in ("--teacher-checkpoint", str(teacher), "--no-task-reward")]
+    run = launch(*rest, "--train-iters", "4", "--load", str(student))
+    assert run.returncode == 2
+    assert run.stderr.strip().splitlines() == [
+        f"error: checkpoint {student}/iter_0000003 holds no EMA anchor (a distillation run's: give its "
+        "teacher again, --teacher-load-hf or --teacher-checkpoint)"]

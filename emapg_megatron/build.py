@@ -314,7 +314,9 @@ def build_rollout_engine(cfg: RunConfig, chunks, model_cfg: ModelConfig, tokeniz
                            seq_length=step.seq_length, micro_batch_size=step.micro_batch_size,
                            seed=cfg.loop.seed, tokenizer=tokenizer, kv_cache=cfg.sampler.kv_cache,
                            max_requests=cfg.sampler.max_requests,
-                           max_forward_tokens=cfg.sampler.forward_token_limit)
+                           max_forward_tokens=cfg.sampler.forward_token_limit,
+                           fixed_shape=cfg.sampler.fixed_shape, cuda_graphs=cfg.sampler.cuda_graphs,
+                           continuous_batching=cfg.sampler.continuous_batching)
 
 
 def lr_scheduler(optimizer, optim: OptimConfig, train_iters: int,

@@ -26,8 +26,11 @@ FREE_TEXT = {"--preset", "--config", "--retriever", "--wandb-project", "--wandb-
 ADDED = {"--overwrite", "--kl-reference-clamps", "--rollout-dump-interval", "--wandb-project",
          "--wandb-exp-name", "--prompt-key", "--answer-key", "--eval-interval", "--eval-data-path",
          "--eval-samples", "--eval-max-prompts", "--teacher-load-hf", "--teacher-checkpoint",
-         "--teacher-cpu-offload", "--task-reward"}  # flags added since, on purpose
-NEGATED = {"--no-task-reward"}  # the negations of added switches
+         "--teacher-cpu-offload", "--task-reward",
+         "--inference-fixed-shape-decode", "--inference-cuda-graphs",
+         "--inference-continuous-batching"}  # flags added since, on purpose
+NEGATED = {"--no-task-reward", "--no-inference-fixed-shape-decode", "--no-inference-cuda-graphs",
+           "--no-inference-continuous-batching"}  # the negations of added switches
 
 
 def _options():

@@ -10,12 +10,21 @@ sized to prompt + length, as ``evaluate --load`` sizes them. The cache-free path
 the whole sequence per token, so on a CPU it stops at ``--uncached-max`` (null beyond). The
 check: the cached path's tokens/s at the longest length is at least half of its own at the
 shortest.
+
+    python tools/bench_rollout.py --compare-scheduling --json  # continuous batching vs waves
+
+``--compare-scheduling`` samples ``--batch`` sequences of long-tailed lengths (every
+``--slots``-th one ``--long`` tokens, the others at most ``--short``; no eos) over ``--slots``
+slots of the fixed-shape decode step, in waves and continuously batched, and prints one JSON line
+per schedule: decode forwards, generated tokens, tokens/s. The check: continuous batching needs
+at least 1.5x fewer decode forwards for the same tokens.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 
 MODELS = {
@@ -72,6 +81,45 @@ def measure(model_name: str, lengths: list[int], batch: int, prompt: int, uncach
     return rows
 
 
+def tailed_budgets(batch: int, slots: int, long: int, short: int) -> list[int]:
+    """Long-tailed response lengths: one sequence in each ``slots`` is ``long``, the rest between
+    8 and ``short`` (so each wave of ``slots`` holds one long sequence)."""
+    return [long if i % slots == 0 else 8 + (5 * i) % max(short - 7, 1) for i in range(batch)]
+
+
+def compare_scheduling(model_name: str, batch: int, slots: int, long: int, short: int,
+                       prompt: int) -> list[dict]:
+    """Both schedules of the fixed-shape decoder on the same sequences (one rank)."""
+    import torch
+
+    torch.manual_seed(0)
+    budgets = tailed_budgets(batch, slots, long, short)
+    histories = [[(7 * s + i) % 90 + 1 for i in range(prompt)] for s in range(batch)]
+    sampler = _samplers(model_name, prompt + long, batch)["cached"]
+    sampler.fixed_shape, sampler.max_requests = True, slots
+    rows = []
+    for schedule in ("waves", "continuous"):
+        sampler.schedule = schedule
+        uniforms = sampler._uniforms(0, 0, list(range(batch)), long)
+        sampler._decode(histories[:slots], budgets[:slots], uniforms[:slots], 1.0, 1.0, None)  # warm-up
+        start = time.perf_counter()
+        turns = sampler._decode(histories, budgets, uniforms, 1.0, 1.0, None)
+        elapsed = time.perf_counter() - start
+        stats, tokens = sampler.schedule_stats, sum(len(t.token_ids) for t in turns)
+        rows.append({"scheduling": schedule, "forwards": stats.decode_forwards, "generated_tokens": tokens,
+                     "tokens_per_s": round(tokens / elapsed, 1), "prefill_forwards": stats.prefill_forwards,
+                     "mean_live_slots": round(stats.mean_live_slots, 3), "slots": slots, "sequences": batch})
+    return rows
+
+
+def scheduling_check(rows: list[dict]) -> dict:
+    by = {r["scheduling"]: r for r in rows}
+    ratio = by["waves"]["forwards"] / by["continuous"]["forwards"]
+    same = by["waves"]["generated_tokens"] == by["continuous"]["generated_tokens"]
+    return {"check": "continuous batching: >= 1.5x fewer decode forwards than waves, same tokens",
+            "forwards_ratio": round(ratio, 3), "pass": ratio >= 1.5 and same}
+
+
 def summary(rows: list[dict]) -> dict:
     first, last = rows[0], rows[-1]
     ratio = last["cached_tokens_per_s"] / first["cached_tokens_per_s"]
@@ -88,6 +136,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--uncached-max", type=int, default=512,
                    help="longest length the cache-free path runs (its cost grows with the square)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--compare-scheduling", action="store_true",
+                   help="continuous batching against waves on long-tailed lengths (fixed-shape step)")
+    p.add_argument("--slots", type=int, default=8, help="--compare-scheduling: decode slots")
+    p.add_argument("--long", type=int, default=256, help="--compare-scheduling: the long sequences' tokens")
+    p.add_argument("--short", type=int, default=32, help="--compare-scheduling: the others' at most")
     p.add_argument("--json", action="store_true", help="one JSON object: rows and the check")
     p.add_argument("--out", default=None, help="also write that JSON object to this file")
     return p
@@ -97,6 +150,8 @@ def main(argv=None) -> None:
     from emapg_megatron.multiprocess import run_distributed
 
     args = build_parser().parse_args(argv)
+    if args.compare_scheduling:
+        return main_scheduling(args)
     lengths = sorted(int(x) for x in args.lengths.split(","))
     [rows] = run_distributed(measure, 1, device=args.device, timeout=3600,
                              args=(args.model, lengths, args.batch, args.prompt, args.uncached_max))
@@ -111,6 +166,30 @@ def main(argv=None) -> None:
     for r in rows:
         print(f"{r['response_tokens']:>7} {r['cached_tokens_per_s']:>13} {str(r['uncached_tokens_per_s']):>15}")
     print(f"{result['check']}: ratio {result['cached_ratio']} ({'pass' if result['pass'] else 'FAIL'})")
+
+
+def main_scheduling(args) -> None:
+    """``--compare-scheduling``: one JSON line per schedule (``--json``) or a table; the check
+    goes to stderr under ``--json``, so stdout stays one object per line."""
+    from emapg_megatron.multiprocess import run_distributed
+
+    batch = args.batch if args.batch != build_parser().get_default("batch") else 4 * args.slots
+    [rows] = run_distributed(compare_scheduling, 1, device=args.device, timeout=3600,
+                             args=(args.model, batch, args.slots, args.long, args.short, args.prompt))
+    check = scheduling_check(rows)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"rows": rows, **check}, f, indent=1)
+    if args.json:
+        for r in rows:
+            print(json.dumps(r))
+        print(json.dumps(check), file=sys.stderr)
+        return
+    print(f"{'scheduling':>11} {'forwards':>9} {'tokens':>7} {'tok/s':>8} {'live slots':>11}")
+    for r in rows:
+        print(f"{r['scheduling']:>11} {r['forwards']:>9} {r['generated_tokens']:>7} {r['tokens_per_s']:>8} "
+              f"{r['mean_live_slots']:>11}")
+    print(f"{check['check']}: ratio {check['forwards_ratio']} ({'pass' if check['pass'] else 'FAIL'})")
 
 
 if __name__ == "__main__":

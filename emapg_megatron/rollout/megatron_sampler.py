@@ -24,6 +24,7 @@ from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_regi
 
 from emapg_megatron import runtime
 from emapg_megatron.rollout import kv_cache_decoding as kv
+from emapg_megatron.rollout.continuous_batching import ScheduleStats, SlotScheduler
 from emapg_megatron.rollout.engine import (
     RolloutBatch,
     build_rollout_batch,
@@ -36,36 +37,18 @@ from emapg_megatron.rollout.episodes import (
     run_episodes,
     start_episodes,
 )
+from emapg_megatron.rollout.sampling import sample_from_logits
+from emapg_megatron.rollout.static_decode import StaticDecoder
 from emapg_megatron.training.microbatches import split_microbatches
 from emapg_megatron.training.schedule import forward_only
-
-
-def sample_from_logits(logits: torch.Tensor, uniforms: torch.Tensor, temperature: float,
-                       top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse-CDF sampling of ``[S, V]`` logits; returns (ids, log-prob under the sampler).
-    Temperature 0 is greedy (evaluation): the argmax, which that sampler draws with probability 1."""
-    if temperature == 0:
-        return logits.argmax(-1), torch.zeros(logits.shape[0], device=logits.device)
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
-    if top_p < 1.0:
-        sorted_lp, order = logp.sort(dim=-1, descending=True)
-        before = sorted_lp.exp().cumsum(-1) - sorted_lp.exp()  # mass strictly before each token
-        sorted_lp = sorted_lp.masked_fill(before >= top_p, float("-inf"))
-        logp = torch.full_like(logp, float("-inf")).scatter(-1, order, sorted_lp)
-        logp = torch.log_softmax(logp, dim=-1)
-    cdf = logp.exp().cumsum(-1)
-    # A uniform of exactly 0 must not land on a leading token of zero mass (outside the nucleus).
-    target = (uniforms * cdf[:, -1]).clamp_min(torch.finfo(cdf.dtype).tiny)
-    ids = torch.searchsorted(cdf, target.unsqueeze(-1)).squeeze(-1)
-    ids = ids.clamp_max(logits.shape[-1] - 1)
-    return ids, logp.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
 
 
 class MegatronSampler:
     def __init__(self, model_chunks, *, vocab_size: int, eos_id: int | None, pad_id: int,
                  seq_length: int, micro_batch_size: int, seed: int, tokenizer=None,
                  kv_cache: bool = True, max_requests: int | None = None,
-                 max_forward_tokens: int | None = None):
+                 max_forward_tokens: int | None = None, fixed_shape: bool | None = None,
+                 cuda_graphs: bool | None = None, continuous_batching: bool = True):
         self.model_chunks = model_chunks
         self.vocab_size = vocab_size
         self.eos_id = eos_id
@@ -79,12 +62,35 @@ class MegatronSampler:
         self.max_forward_tokens = max_forward_tokens  # cached forwards above it: row micro-batches
         self.rows_fed: list[int] = []  # cached path: rows per forward, over the last generate
         self.cache_waves = 0  # cached path: caches run by the last generate
+        # The fixed-shape decode step (opt-in), its CUDA graphs (None: wherever it runs on a GPU
+        # at PP=1) and its schedule; see rollout/static_decode.py.
+        self.fixed_shape, self.cuda_graphs = fixed_shape, cuda_graphs
+        self.schedule = "continuous" if continuous_batching else "waves"
+        self.schedule_stats: ScheduleStats | None = None  # fixed-shape path: the last generate's
+        self.graph_memory = 0  # bytes the last generate's CUDA graphs reserved
 
     def update_weights(self, model_chunks) -> None:
         self.model_chunks = model_chunks  # same live model: nothing to copy
 
     def metrics(self) -> dict:
-        return {"rollout_cache_waves": self.cache_waves} if self.kv_cache else {}
+        if not self.kv_cache:
+            return {}
+        out = {"rollout_cache_waves": self.cache_waves}
+        if self.schedule_stats is not None:
+            out.update(rollout_decode_forwards=self.schedule_stats.decode_forwards,
+                       rollout_prefill_forwards=self.schedule_stats.prefill_forwards,
+                       rollout_mean_live_slots=self.schedule_stats.mean_live_slots,
+                       rollout_graph_memory_mb=self.graph_memory / 2**20)
+        return out
+
+    def _fixed_shape_on(self) -> bool:
+        return bool(self.fixed_shape)  # opt-in until it has run on a GPU
+
+    def _graphs_on(self) -> bool:
+        """CUDA graphs of the decode step: on a GPU, one pipeline stage (stages exchange hidden
+        states between steps, outside any graph), unless turned off."""
+        return (self.cuda_graphs is not False and runtime.hardware() == "cuda"
+                and ps.get_pipeline_model_parallel_world_size() == 1)
 
     def _cached(self) -> bool:
         """The cached path when asked for and the model allows it (else the reference)."""
@@ -200,6 +206,8 @@ class MegatronSampler:
             ids, lp = self._sample(logits, u, temperature, top_p)
             return ids.tolist(), lp.tolist()
 
+        if self._fixed_shape_on():
+            return self._slots(streams, advance, temperature, top_p)
         model, restart = self.model_chunks[0], []
         size = kv.cache_rows(model, len(streams), self.seq_length, self.max_requests)
         for start in range(0, len(streams), size):
@@ -208,6 +216,24 @@ class MegatronSampler:
                                           max_forward_tokens=self.max_forward_tokens)
             self.cache_waves += 1
         return restart
+
+    def _slots(self, streams: list[kv.Stream], advance, temperature: float, top_p: float):
+        """Run ``streams`` through the fixed-shape decoder's slots (sized as a wave), continuously
+        batched; restarts happen in their own slot, so none is returned."""
+        model = self.model_chunks[0]
+        slots = kv.cache_rows(model, len(streams), self.seq_length, self.max_requests)
+        self.schedule_stats, self.cache_waves = ScheduleStats(), 1
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():  # the graphs are captured here too: in eval mode, without autograd
+                decoder = StaticDecoder(model, slots, self.seq_length, self.vocab_size, temperature,
+                                        top_p, cuda_graphs=self._graphs_on())
+                self.graph_memory = decoder.graphs.memory_bytes if decoder.graphs is not None else 0
+                SlotScheduler(decoder, advance, self.schedule, self.schedule_stats).run(streams)
+        finally:
+            model.train(was_training)
+        return []
 
     def _decode_cached(self, histories, budgets, uniforms, temperature, top_p, stop) -> list[Turn]:
         """:meth:`_decode` through the KV cache."""

@@ -220,3 +220,15 @@ def sample_both_paths_te_like(ckpt: str):
     out = sample_both_paths(ckpt, False)
     out["attention_calls"] = dict(TELikeAttention.calls)
     return out
+
+
+def assert_same_samples(a: dict, b: dict, atol: float) -> None:
+    """Two sampling runs drew the same tokens (responses, or tokens and loss masks) with the same
+    log-probs within ``atol``."""
+    import torch
+
+    if "responses" in a:
+        assert a["responses"] == b["responses"]
+    else:
+        assert torch.equal(a["tokens"], b["tokens"]) and torch.equal(a["loss_mask"], b["loss_mask"])
+    torch.testing.assert_close(a["logprobs"], b["logprobs"], atol=atol, rtol=0)

@@ -15,6 +15,7 @@ from kv_cache_workers import (
     SPLIT,
     WAVE,
     N,
+    assert_same_samples,
     sample_both_paths,
     sample_both_paths_te_like,
 )
@@ -48,11 +49,7 @@ def layouts(tmp_path_factory):
 
 
 def _same(a: dict, b: dict) -> None:
-    if "responses" in a:
-        assert a["responses"] == b["responses"]
-    else:
-        assert torch.equal(a["tokens"], b["tokens"]) and torch.equal(a["loss_mask"], b["loss_mask"])
-    torch.testing.assert_close(a["logprobs"], b["logprobs"], atol=ATOL, rtol=0)
+    assert_same_samples(a, b, ATOL)
 
 
 @pytest.mark.parametrize("layout", ALL)

@@ -180,12 +180,11 @@ def check_checkpoint(anchor, ckpt_dir: str) -> None:
             if sh.key in checked:
                 continue
             checked.add(sh.key)
-            if sh.key not in stored and not any(k.startswith("ema.") for k in stored):
-                raise agreed(ConfigError(f"checkpoint {ckpt_dir} holds no EMA anchor (a distillation "
-                                         "run's: give its teacher again, --teacher-load-hf or "
-                                         "--teacher-checkpoint)"))
             if sh.key not in stored:
-                raise agreed(ConfigError(f"checkpoint {ckpt_dir} has no EMA tensor {sh.key}"))
+                hint = ("" if any(k.startswith("ema.") for k in stored) else
+                        " (it holds no EMA anchor: a distillation run's checkpoint resumes with its "
+                        "teacher, --teacher-load-hf or --teacher-checkpoint)")
+                raise agreed(ConfigError(f"checkpoint {ckpt_dir} has no EMA tensor {sh.key}{hint}"))
             shape, want = tuple(stored[sh.key].global_shape), tuple(sh.global_shape)
             if sh.allow_shape_mismatch:  # padded vocabulary: only the hidden dims must agree
                 shape, want = shape[1:], want[1:]

@@ -204,8 +204,9 @@ def test_a_trainer_checkpoint_teaches_and_a_distilled_run_resumes_only_with_its_
     teacher, student = tmp_path / "teacher", tmp_path / "student"
     run = launch("--train-iters", "2", "--save", str(teacher), "--log-dir", str(tmp_path / "t-log"))
     assert run.returncode == 0, run.stderr
-    distil = ["--teacher-checkpoint", str(teacher), "--num-layers", "1", "--no-task-reward",
-              "--kl-coef", "1", "--save", str(student), "--log-dir", str(tmp_path / "s-log")]
+    distil = ["--teacher-checkpoint", str(teacher), "--num-layers", "1", "--no-task-reward",  # the demo's
+              "--kl-coef", "1", "--kl-loss-type", "topk-forward", "--save", str(student),
+              "--log-dir", str(tmp_path / "s-log")]
     run = launch(*distil, "--train-iters", "2")
     assert run.returncode == 0, run.stderr
     assert "teacher " + str(teacher) + ": 2 layers" in run.stdout
@@ -215,5 +216,6 @@ def test_a_trainer_checkpoint_teaches_and_a_distilled_run_resumes_only_with_its_
     run = launch(*rest, "--train-iters", "4", "--load", str(student))
     assert run.returncode == 2
     assert run.stderr.strip().splitlines() == [
-        f"error: checkpoint {student}/iter_0000003 holds no EMA anchor (a distillation run's: give its "
-        "teacher again, --teacher-load-hf or --teacher-checkpoint)"]
+        f"error: checkpoint {student}/iter_0000003 has no EMA tensor ema.embedding.word_embeddings.weight "
+        "(it holds no EMA anchor: a distillation run's checkpoint resumes with its teacher, "
+        "--teacher-load-hf or --teacher-checkpoint)"]

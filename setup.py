@@ -10,7 +10,9 @@ setup(
     packages=find_packages(include=["emapg_megatron", "emapg_megatron.*"]),
     package_data={"emapg_megatron": ["presets/*.yaml"]},
     install_requires=[
-        "megatron-core==0.16.1",
+        # Both ends are tested (tests/run.sh); 0.17 and later need Python >= 3.12, so pip picks
+        # 0.16.1 on 3.10/3.11. What differs between versions is in emapg_megatron/mcore_compat.py.
+        "megatron-core>=0.16.1,<0.20",
         "torch>=2.6",
         "numpy",
         "datasets",

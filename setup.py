@@ -31,8 +31,9 @@ setup(
         "wandb": ["wandb"],
         # GPU node (torch 2.11 + CUDA 13): vLLM 0.25.1 pins torch==2.11.0; Transformer Engine inside
         # megatron-core 0.16.1's range (>=2.9, <2.12) with the CUDA-13 core. TE's torch extension is
-        # source-only: build it first with --no-build-isolation (docs/gpu.md).
-        "gpu": ["transformer-engine[core_cu13,pytorch]==2.11.*", "vllm==0.25.1"],
+        # source-only: build it first with --no-build-isolation (docs/gpu.md). megatron-core: the
+        # release checked on a GPU (tools/gpu_check.sh); 0.19.x is checked on CPU only so far.
+        "gpu": ["megatron-core==0.16.1", "transformer-engine[core_cu13,pytorch]==2.11.*", "vllm==0.25.1"],
     },
     entry_points={
         "console_scripts": [

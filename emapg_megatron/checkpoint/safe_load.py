@@ -50,6 +50,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from emapg_megatron import mcore_compat
 from emapg_megatron.errors import ConfigError
+from emapg_megatron.training.collectives import on_rank0
 
 METADATA_JSON = "metadata.json"
 COMMON = mcore_compat.COMMON_FILE
@@ -527,9 +528,17 @@ def verify_loaded_extra_state(loaded, where: str) -> None:
     walk(loaded, "")
 
 
+def verify_on_every_rank(ckpt_dir: str) -> VerifiedCheckpoint:
+    """:func:`verify_checkpoint_metadata` on every rank (each checks the files it reads), rank 0
+    first: a checkpoint refused there is refused on every rank, in one line said once."""
+    first = []
+    on_rank0(lambda: first.append(verify_checkpoint_metadata(ckpt_dir)))
+    return first[0] if first else verify_checkpoint_metadata(ckpt_dir)
+
+
 def load_verified(sharded_state_dict: dict, ckpt_dir: str) -> dict:
     """``dist_checkpointing.load`` of a checkpoint checked first, so nothing in it can run."""
-    verify_checkpoint_metadata(ckpt_dir)
+    verify_on_every_rank(ckpt_dir)
     loaded = dist_checkpointing.load(sharded_state_dict, str(ckpt_dir))
     verify_loaded_extra_state(loaded, str(ckpt_dir))
     return loaded

@@ -36,8 +36,8 @@ from emapg_megatron.checkpoint.paths import TRACKER, iteration_dir  # noqa: F401
 from emapg_megatron.checkpoint.safe_load import (
     COMMON,
     shown,
-    verify_checkpoint_metadata,
     verify_loaded_extra_state,
+    verify_on_every_rank,
 )
 from emapg_megatron.errors import CheckpointWriteError, ConfigError, WeightsError
 from emapg_megatron.models.gpt import global_param_name, unwrap
@@ -365,7 +365,7 @@ def load(root: str, sharded_state_dict: dict, iteration: int) -> dict:
     layout is compared with this run's (:func:`check_layout`).
     """
     path = iteration_dir(root, iteration)
-    checkpoint = verify_checkpoint_metadata(path)
+    checkpoint = verify_on_every_rank(path)
     common = checked_common(checkpoint)
     saved, now = saved_layout(checkpoint), current_layout(sharded_state_dict)
     check_layout(saved, now, path)

@@ -227,8 +227,8 @@ def gpt_compare(tied: bool, bf16: bool, sequence_parallel: bool = False) -> dict
     gpt = unwrap(chunks[0])
     out["restored"] = not gpt.post_process or "forward" not in gpt.output_layer.__dict__  # the hook is undone
     with output_layer_bypassed(chunks[0]) as cap:  # how: megatron-core's output_processor, or a patch
-        out["hook"] = {"last_stage": gpt.post_process, "patched": "forward" in gpt.output_layer.__dict__,
-                       "model_kwargs": sorted(cap.model_kwargs)}
+        out["hook"] = {"last_stage": gpt.post_process, "model_kwargs": sorted(cap.model_kwargs),
+                       "patched": gpt.post_process and "forward" in gpt.output_layer.__dict__}
     return out
 
 

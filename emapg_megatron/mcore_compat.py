@@ -10,9 +10,10 @@ version themselves:
 * the output layer (:data:`HAS_OUTPUT_PROCESSOR`): 0.19's ``GPTModel.forward`` takes an
   ``output_processor`` that is given the final hidden states and the output weight, so the
   fused LM head needs no patch of the model there (``models.hidden_output``);
-* checkpoints (:data:`COMMON_FILE`, :data:`COMMON_ITEM`, :func:`newer_than_installed`): 0.19
-  writes the non-sharded state as the byte item ``common_state`` of the ``.distcp`` files instead
-  of ``common.pt`` (it still reads ``common.pt``; 0.16.1 cannot read the item), and
+* checkpoints (:data:`COMMON_FILE`, :data:`COMMON_ITEM`, :data:`VERSION_KEY`, :func:`unreadable`):
+  0.19 writes the non-sharded state as the byte item ``common_state`` of the ``.distcp`` files
+  instead of ``common.pt`` (it still reads ``common.pt``; 0.16.1 cannot read the item), so each
+  checkpoint records the release that wrote it and a later release's is refused; and
   ``import megatron.core`` rebinds ``torch.storage._load_from_bytes`` to its
   ``safe_load_from_bytes``, the name pickles written under it then carry
   (:data:`LOAD_FROM_BYTES`).
@@ -32,12 +33,7 @@ from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper 
 from megatron.core.models.gpt.gpt_model import GPTModel
 from packaging.version import InvalidVersion, Version
 
-#: The supported range, as setup.py states it; the ends are the versions CI tests.
-SUPPORTED = (">=0.16.1", "<0.20")
-OLDEST, NEWEST_TESTED = "0.16.1", "0.19.2"
-
-
-VERSION = metadata.version("megatron-core")  # the installed one
+VERSION = metadata.version("megatron-core")  # the installed one (setup.py: >=0.16.1,<0.20)
 
 # --- inference ----------------------------------------------------------------------------------
 HAS_WRAPPER_CONFIG = not hasattr(GPTInferenceWrapper, "forward_pass_with_pipeline_parallel")

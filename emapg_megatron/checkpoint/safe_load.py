@@ -13,10 +13,10 @@ A ``torch_dist`` checkpoint directory (what ``megatron.core.dist_checkpointing``
 
 :func:`verify_checkpoint_metadata` reads all of them before megatron does: ``.metadata`` with an
 unpickler that admits only the classes torch's checkpoint metadata is made of, every byte item
-and ``common.pt`` with ``torch.load(weights_only=True)``. A checkpoint the installed megatron-core
-cannot read (written by a later release) is refused in one line that names the release. Anything else is refused with a
+and ``common.pt`` with ``torch.load(weights_only=True)``. Anything else is refused with a
 :class:`ConfigError` naming the file and the refused global; garbage is a ConfigError naming the
-file. Nothing is executed while checking: a pickle can only run code through a global it names,
+file; a checkpoint the installed megatron-core cannot read (one from a later release) is a
+ConfigError naming the release that wrote it. Nothing is executed while checking: a pickle can only run code through a global it names,
 and every global is checked before it is looked up.
 
 Transformer Engine's ``set_extra_state`` unpickles its fp8 state from a uint8 tensor;

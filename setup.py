@@ -10,7 +10,9 @@ setup(
     packages=find_packages(include=["emapg_megatron", "emapg_megatron.*"]),
     package_data={"emapg_megatron": ["presets/*.yaml"]},
     install_requires=[
-        "megatron-core==0.16.1",
+        # Both ends are tested (tests/run.sh); 0.17 and later need Python >= 3.12, so pip picks
+        # 0.16.1 on 3.10/3.11. What differs between versions is in emapg_megatron/mcore_compat.py.
+        "megatron-core>=0.16.1,<0.20",
         "torch>=2.6",
         "numpy",
         "datasets",
@@ -29,8 +31,9 @@ setup(
         "wandb": ["wandb"],
         # GPU node (torch 2.11 + CUDA 13): vLLM 0.25.1 pins torch==2.11.0; Transformer Engine inside
         # megatron-core 0.16.1's range (>=2.9, <2.12) with the CUDA-13 core. TE's torch extension is
-        # source-only: build it first with --no-build-isolation (docs/gpu.md).
-        "gpu": ["transformer-engine[core_cu13,pytorch]==2.11.*", "vllm==0.25.1"],
+        # source-only: build it first with --no-build-isolation (docs/gpu.md). megatron-core: the
+        # release checked on a GPU (tools/gpu_check.sh); 0.19.x is checked on CPU only so far.
+        "gpu": ["megatron-core==0.16.1", "transformer-engine[core_cu13,pytorch]==2.11.*", "vllm==0.25.1"],
     },
     entry_points={
         "console_scripts": [

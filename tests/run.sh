@@ -1,9 +1,51 @@
 #!/usr/bin/env bash
-# The README's test command: install what is missing, then run the whole suite on CPU.
+# The README's test command: install what is missing, then run the whole suite on CPU once per end
+# of the supported megatron-core range (setup.py):
+#   mcore016  megatron-core 0.16.1 in ./.venv (or the active environment, or $PYTHON), made with
+#             python3;
+#   mcore019  megatron-core $MCORE019_VERSION in ./.venv-mcore019, made with Python 3.12 (0.17 and
+#             later need it; $PYTHON312, else python3.12, else pyenv's 3.12). PyPI's torch for
+#             3.12 is the CUDA build: a 5.5 GB environment, unused CUDA libraries included.
+# Arguments go to pytest in each suite; SUITES="mcore016" (or "mcore019") runs one. Both run even
+# when the first fails; the exit status is non-zero if either did.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash tools/install_cpu.sh
-PY=$(bash tools/python.sh)
-PATH="$(dirname "$(command -v "$PY")"):$PATH"  # scripts the tests run find the same python3
-export PATH OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} CUDA_DEVICE_MAX_CONNECTIONS=1
-exec "$PY" -m pytest tests -q -p no:cacheprovider --timeout=900 --durations=15 "$@"
+MCORE019_VERSION=${MCORE019_VERSION:-0.19.2}
+
+say() { echo "tests/run.sh: $*" >&2; }
+
+python312() {
+  local candidate
+  for candidate in "${PYTHON312:-}" python3.12 "$(pyenv root 2>/dev/null)"/versions/3.12*/bin/python3.12; do
+    if [[ -n "$candidate" ]] && "$candidate" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null; then
+      command -v "$candidate"
+      return
+    fi
+  done
+  say "no Python 3.12 for the megatron-core $MCORE019_VERSION suite: set PYTHON312 to one"
+  return 1
+}
+
+suite() {  # install into, then test, the environment that tools/python.sh names
+  bash tools/install_cpu.sh
+  local py
+  py=$(bash tools/python.sh)
+  say "$1: megatron-core $("$py" -c 'from importlib.metadata import version; print(version("megatron-core"))'), Python $("$py" -c 'import platform; print(platform.python_version())')"
+  shift
+  PATH="$(dirname "$(command -v "$py")"):$PATH"  # scripts the tests run find the same python3
+  export PATH OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} CUDA_DEVICE_MAX_CONNECTIONS=1
+  "$py" -m pytest tests -q -p no:cacheprovider --timeout=900 --durations=15 "$@"
+}
+
+status=0
+for name in ${SUITES:-mcore016 mcore019}; do
+  case "$name" in
+    mcore016) (suite "$name" "$@") || status=1 ;;
+    mcore019) (unset PYTHON VIRTUAL_ENV
+               export VENV=.venv-mcore019 MCORE_VERSION=$MCORE019_VERSION BASE_PYTHON
+               BASE_PYTHON=$(python312)
+               suite "$name" "$@") || status=1 ;;
+    *) say "unknown suite '$name' in SUITES (mcore016, mcore019)"; exit 2 ;;
+  esac
+done
+exit "$status"

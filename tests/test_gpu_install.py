@@ -168,8 +168,9 @@ def reassembled(root: Path, art: dict) -> bytes:
 
 def test_pins_read_from_setup_py():
     pins = kit.read_pins(SETUP)
-    assert pins["megatron-core"].where == "install_requires"
-    assert pins["transformer-engine"].where == pins["vllm"].where == "extras_require['gpu']"
+    assert pins["megatron-core"].where == pins["transformer-engine"].where == pins["vllm"].where \
+        == "extras_require['gpu']"
+    assert pins["megatron-core"].spec == "==0.16.1"  # the GPU-checked release, not the CPU range
     assert pins["transformer-engine"].extras == ["core_cu13", "pytorch"]
     # The same strings, independently, from setup.py's text.
     text = SETUP.read_text()

@@ -1,4 +1,5 @@
-"""tools/install_cpu.sh and tools/python.sh: which interpreter, which torch index, visible steps.
+"""tools/install_cpu.sh and tools/python.sh: which interpreter, which torch index, which
+megatron-core, visible steps.
 
 A fake interpreter (a shell script that records its arguments) stands in for python: no network,
 no install."""
@@ -52,6 +53,17 @@ def test_torch_comes_from_the_cpu_index_when_it_is_reachable(tmp_path, reachable
     assert (tmp_path / "prefix" / ".emapg-install-stamp").read_text().strip().endswith("torch==2.13.0")
 
 
+def test_megatron_core_is_pinned_when_asked(tmp_path):
+    """tests/run.sh's second suite: MCORE_VERSION pins megatron-core in the package's install."""
+    py, log = _fake_python(tmp_path, reachable=False)
+    r = _install({"PYTHON": py, "MCORE_VERSION": "0.19.2"})
+    assert r.returncode == 0, r.stderr
+    package = [c for c in open(log).read().splitlines() if c.startswith("-m pip install -q -e")]
+    assert package == ["-m pip install -q -e .[test,math,search,wandb] megatron-core==0.19.2"]
+    stamp = (tmp_path / "prefix" / ".emapg-install-stamp").read_text().strip()
+    assert stamp.endswith("torch==2.13.0 megatron-core==0.19.2")  # another pin reinstalls
+
+
 def test_the_interpreter_is_python_or_the_active_venv_or_dot_venv(tmp_path):
     def which(**env):
         env = {**{k: v for k, v in os.environ.items() if k not in ("PYTHON", "VIRTUAL_ENV")}, **env}
@@ -61,6 +73,9 @@ def test_the_interpreter_is_python_or_the_active_venv_or_dot_venv(tmp_path):
     assert which(PYTHON="/opt/py/bin/python3", VIRTUAL_ENV="/v") == "/opt/py/bin/python3"
     assert which(VIRTUAL_ENV="/v") == "/v/bin/python"
     assert which(_args=["--for-install"]) == os.path.join(ROOT, ".venv", "bin", "python")
+    assert which(VENV=".venv-mcore019", _args=["--for-install"]) == os.path.join(
+        ROOT, ".venv-mcore019", "bin", "python")  # tests/run.sh's second environment
+    assert which(VENV="/v2", _args=["--for-install"]) == "/v2/bin/python"
     expected = os.path.join(ROOT, ".venv", "bin", "python") if os.path.exists(
         os.path.join(ROOT, ".venv", "bin", "python")) else "python3"
     assert which() == expected

@@ -28,7 +28,7 @@ from megatron.core.dist_checkpointing.mapping import (
     ShardedTensorFactory,
 )
 
-from emapg_megatron.checkpoint.safe_load import verify_checkpoint_metadata
+from emapg_megatron.checkpoint.safe_load import verify_on_every_rank
 from emapg_megatron.errors import ConfigError, agreed
 from emapg_megatron.models.gpt import unwrap
 
@@ -172,7 +172,7 @@ def check_checkpoint(anchor, ckpt_dir: str) -> None:
 
     ``dist_checkpointing.load`` would otherwise fail deep inside torch DCP on a shape mismatch.
     """
-    verify_checkpoint_metadata(ckpt_dir)  # megatron unpickles .metadata: nothing in it may run
+    verify_on_every_rank(ckpt_dir)  # megatron unpickles .metadata: nothing in it may run
     stored = dist_checkpointing.load_tensors_metadata(ckpt_dir)
     checked = set()
     for expected in _expected(anchor).values():

@@ -25,7 +25,7 @@ from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as ps
 from tqdm import tqdm
 
-from emapg_megatron import runtime
+from emapg_megatron import mcore_compat, runtime
 from emapg_megatron.checkpoint.files import (
     atomic_dir,
     check_new_output,
@@ -127,7 +127,8 @@ def save_mcore(model_chunks, out_dir: str | Path, metadata: dict, *, overwrite: 
 
     tmp = Path(on_rank0(make_temp_dir))
     try:
-        dist_checkpointing.save(_sharded_state_dict(model_chunks), str(tmp))
+        state = {**_sharded_state_dict(model_chunks), mcore_compat.VERSION_KEY: mcore_compat.VERSION}
+        dist_checkpointing.save(state, str(tmp))  # the version: a later release may refuse it
         if rank == 0:
             (tmp / METADATA).write_text(json.dumps(metadata, indent=2) + "\n")
         dist.barrier()

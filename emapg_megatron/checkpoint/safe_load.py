@@ -7,13 +7,16 @@ A ``torch_dist`` checkpoint directory (what ``megatron.core.dist_checkpointing``
     __R_I.distcp       tensors (read by torch with weights_only=True) and byte items
                        (ShardedObjects, e.g. the RNG state and _extra_state, read by torch's
                        DefaultLoadPlanner with ``torch.load(weights_only=False)``!)
-    common.pt          torch.save of the non-sharded state (step, scheduler, ...)
+    common.pt          torch.save of the non-sharded state (step, scheduler, ...); from
+                       megatron-core 0.19 on, the byte item ``common_state`` of the .distcp
+                       files instead (:mod:`emapg_megatron.mcore_compat`)
 
 :func:`verify_checkpoint_metadata` reads all of them before megatron does: ``.metadata`` with an
 unpickler that admits only the classes torch's checkpoint metadata is made of, every byte item
 and ``common.pt`` with ``torch.load(weights_only=True)``. Anything else is refused with a
 :class:`ConfigError` naming the file and the refused global; garbage is a ConfigError naming the
-file. Nothing is executed while checking: a pickle can only run code through a global it names,
+file; a checkpoint the installed megatron-core cannot read (one from a later release) is a
+ConfigError naming the release that wrote it. Nothing is executed while checking: a pickle can only run code through a global it names,
 and every global is checked before it is looked up.
 
 Transformer Engine's ``set_extra_state`` unpickles its fp8 state from a uint8 tensor;
@@ -45,10 +48,12 @@ import torch
 from megatron.core import dist_checkpointing
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
+from emapg_megatron import mcore_compat
 from emapg_megatron.errors import ConfigError
+from emapg_megatron.training.collectives import on_rank0
 
 METADATA_JSON = "metadata.json"
-COMMON = "common.pt"
+COMMON = mcore_compat.COMMON_FILE
 DCP_METADATA = ".metadata"
 
 # The one format read: megatron's torch_dist (torch DCP files, whose pickles are checked here) with
@@ -344,11 +349,12 @@ def _storage_entry(ckpt_dir: str, index, info) -> tuple[str, int, int]:
     return rel, offset, length
 
 
-def _verify_storage(ckpt_dir: str, metadata) -> None:
+def _verify_storage(ckpt_dir: str, metadata) -> tuple[object, str] | None:
     """Every file the metadata points into is a regular file in the checkpoint holding the bytes
     it is said to; every byte item loads with :func:`safe_torch_load` (torch loads it with
-    ``weights_only=False``)."""
-    sizes = {}
+    ``weights_only=False``). Returns the common-state item as loaded, with where it is, if the
+    checkpoint has one (megatron-core >= 0.19)."""
+    sizes, common = {}, None
     for index, info in (metadata.storage_data or {}).items():
         rel, offset, length = _storage_entry(ckpt_dir, index, info)
         path = os.path.join(ckpt_dir, rel)
@@ -367,7 +373,10 @@ def _verify_storage(ckpt_dir: str, metadata) -> None:
                               f"{MAX_PICKLE_BYTES} such an item may have")
         with open_checked(path, None, ckpt_dir) as f:
             f.seek(offset)
-            safe_torch_load(f.read(length), where)
+            loaded = safe_torch_load(f.read(length), where)
+        if index.fqn.split("/", 1)[0] == mcore_compat.COMMON_ITEM:
+            common = loaded, where
+    return common
 
 
 @dataclass
@@ -375,7 +384,33 @@ class VerifiedCheckpoint:
     path: str
     config: dict  # metadata.json
     metadata: object | None  # torch.distributed.checkpoint Metadata (torch_dist backend)
-    common: dict | None  # common.pt
+    common: dict | None  # the non-sharded state: common.pt, or the common-state item
+    common_where: str = ""  # where it is, for messages
+
+
+def _common_file(ckpt_dir: str) -> tuple[dict, str]:
+    path = os.path.join(ckpt_dir, COMMON)
+    with open_checked(path, MAX_PICKLE_BYTES) as f:
+        return safe_torch_load(f, path), path
+
+
+def _common_item(item) -> dict:
+    """The common state in its item: a list of the one dict (megatron saves it as a ShardedObject)."""
+    loaded, where = item
+    if not (isinstance(loaded, list) and len(loaded) == 1):
+        raise ConfigError(f"corrupt checkpoint file {where}: holds {shown(loaded)}, not the common state")
+    return loaded[0]
+
+
+def _check_readable(checkpoint: VerifiedCheckpoint, common_in_item: bool) -> None:
+    """Refuse in one line a checkpoint the installed megatron-core cannot read."""
+    written_by = (checkpoint.common or {}).get(mcore_compat.VERSION_KEY)
+    if written_by is not None and not mcore_compat.valid_version(written_by):
+        raise ConfigError(f"corrupt checkpoint file {checkpoint.common_where}: "
+                          f"'{mcore_compat.VERSION_KEY}' is {shown(written_by)}, not a version")
+    reason = mcore_compat.unreadable(written_by, common_in_item)
+    if reason:
+        raise ConfigError(f"cannot load checkpoint {checkpoint.path}: {reason}")
 
 
 def verify_checkpoint_metadata(ckpt_dir: str) -> VerifiedCheckpoint:
@@ -394,27 +429,28 @@ def verify_checkpoint_metadata(ckpt_dir: str) -> VerifiedCheckpoint:
             if name == DCP_METADATA:
                 metadata = read
     try:
-        _verify_storage(ckpt_dir, metadata)
+        item = _verify_storage(ckpt_dir, metadata)
     except ConfigError:
         raise
     except Exception as e:  # noqa: BLE001 - admitted classes holding the wrong things
         raise ConfigError(f"corrupt checkpoint metadata {os.path.join(ckpt_dir, DCP_METADATA)}: "
                           f"{first_line(e)}") from None
-    common = None
-    if COMMON in names:
-        path = os.path.join(ckpt_dir, COMMON)
-        with open_checked(path, MAX_PICKLE_BYTES) as f:
-            common = safe_torch_load(f, path)
-        if not isinstance(common, dict):
-            raise ConfigError(f"corrupt checkpoint file {path}: holds a {type(common).__name__}, "
-                              f"not a dict")
-    return VerifiedCheckpoint(ckpt_dir, config, metadata, common)
+    common, where = None, os.path.join(ckpt_dir, COMMON)
+    if COMMON in names:  # megatron reads the file first when both are there
+        common, where = _common_file(ckpt_dir)
+    elif item is not None:
+        common, where = _common_item(item), item[1]
+    if common is not None and not isinstance(common, dict):
+        raise ConfigError(f"corrupt checkpoint file {where}: holds a {type(common).__name__}, "
+                          f"not a dict")
+    checkpoint = VerifiedCheckpoint(ckpt_dir, config, metadata, common, where)
+    _check_readable(checkpoint, common_in_item=COMMON not in names and item is not None)
+    return checkpoint
 
 
 # --- Transformer Engine extra state: a pickle inside a uint8 tensor -------------------------
 _EXTRA_STATE_GLOBALS = {
     "torch._utils": {"_rebuild_tensor_v2", "_rebuild_tensor", "_rebuild_parameter"},
-    "torch.storage": {"_load_from_bytes"},  # its bytes are checked with weights_only=True
     "torch": {"Size", "device"},
     "collections": {"OrderedDict"},
     "builtins": {"set", "frozenset", "slice", "complex"},
@@ -424,7 +460,7 @@ _EXTRA_STATE_MODULES = ("transformer_engine.common.recipe",)  # fp8 recipes and 
 
 def _extra_state_global_allowed(module: str, name: str) -> bool:
     return (name in _EXTRA_STATE_GLOBALS.get(module, ()) or _is_dtype(module, name)
-            or module in _EXTRA_STATE_MODULES)
+            or module in _EXTRA_STATE_MODULES or (module, name) in mcore_compat.LOAD_FROM_BYTES)
 
 
 class _Placeholder:
@@ -445,7 +481,7 @@ class _ExtraStateUnpickler(pickle.Unpickler):
     def find_class(self, module, name):
         if not _extra_state_global_allowed(module, name):
             raise _Refused(module, name)
-        if (module, name) == ("torch.storage", "_load_from_bytes"):
+        if (module, name) in mcore_compat.LOAD_FROM_BYTES:
             return self._load_from_bytes  # torch's runs torch.load(weights_only=False)
         try:
             return super().find_class(module, name)
@@ -492,9 +528,17 @@ def verify_loaded_extra_state(loaded, where: str) -> None:
     walk(loaded, "")
 
 
+def verify_on_every_rank(ckpt_dir: str) -> VerifiedCheckpoint:
+    """:func:`verify_checkpoint_metadata` on every rank (each checks the files it reads), rank 0
+    first: a checkpoint refused there is refused on every rank, in one line said once."""
+    first = []
+    on_rank0(lambda: first.append(verify_checkpoint_metadata(ckpt_dir)))
+    return first[0] if first else verify_checkpoint_metadata(ckpt_dir)
+
+
 def load_verified(sharded_state_dict: dict, ckpt_dir: str) -> dict:
     """``dist_checkpointing.load`` of a checkpoint checked first, so nothing in it can run."""
-    verify_checkpoint_metadata(ckpt_dir)
+    verify_on_every_rank(ckpt_dir)
     loaded = dist_checkpointing.load(sharded_state_dict, str(ckpt_dir))
     verify_loaded_extra_state(loaded, str(ckpt_dir))
     return loaded

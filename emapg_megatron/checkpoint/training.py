@@ -30,13 +30,14 @@ from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as ps
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
+from emapg_megatron import mcore_compat
 from emapg_megatron.checkpoint.files import atomic_write_text, fsync_dir, replace_dir
 from emapg_megatron.checkpoint.paths import TRACKER, iteration_dir  # noqa: F401  (re-exported)
 from emapg_megatron.checkpoint.safe_load import (
     COMMON,
     shown,
-    verify_checkpoint_metadata,
     verify_loaded_extra_state,
+    verify_on_every_rank,
 )
 from emapg_megatron.errors import CheckpointWriteError, ConfigError, WeightsError
 from emapg_megatron.models.gpt import global_param_name, unwrap
@@ -70,7 +71,8 @@ def save(root: str, iteration: int, sharded_state_dict: dict, common: dict,
 
     on_rank0(make_tmp)  # every rank raises on a failure, none waits at a barrier
     common = dict(common, **{LAYOUT_KEY: current_layout(sharded_state_dict)})
-    state = dict(sharded_state_dict, rng_state=_rng_sharded_object(), common=common)
+    state = dict(sharded_state_dict, rng_state=_rng_sharded_object(), common=common,
+                 **{mcore_compat.VERSION_KEY: mcore_compat.VERSION})  # a later release may refuse it
     try:
         dist_checkpointing.save(state, tmp)
     except BaseException as e:  # noqa: BLE001 - CheckpointException derives from BaseException
@@ -222,7 +224,7 @@ def saved_layout(checkpoint) -> dict:
     common = checkpoint.common or {}
     trainer = common["common"] if isinstance(common.get("common"), dict) else {}
     if trainer.get(LAYOUT_KEY) is not None:
-        where = os.path.join(checkpoint.path, COMMON)
+        where = checkpoint.common_where
         _check_entries(trainer, {LAYOUT_KEY: _DICT}, where)
         _check_entries(trainer[LAYOUT_KEY], _LAYOUT, where, f"{LAYOUT_KEY}.")
         return trainer[LAYOUT_KEY]
@@ -328,9 +330,10 @@ def _check_entries(entries: dict, spec: dict, where: str, prefix: str = "") -> N
 def checked_common(checkpoint) -> dict:
     """The trainer's ``common`` entry of a verified checkpoint, checked to hold what a resume reads
     from it: the LR schedule's state, the skipped-step count and (optional) the run's flags."""
-    where = os.path.join(checkpoint.path, COMMON)
+    where = checkpoint.common_where
     if checkpoint.common is None:
-        raise ConfigError(f"corrupt checkpoint {checkpoint.path}: no {COMMON}")
+        raise ConfigError(f"corrupt checkpoint {checkpoint.path}: no {COMMON} (nor the "
+                          f"{mcore_compat.COMMON_ITEM} item megatron-core 0.19 writes instead)")
     _check_entries(checkpoint.common, {"common": _DICT}, where)
     common = checkpoint.common["common"]
     _check_entries(common, {"scheduler": _DICT, "skipped_steps": _COUNT}, where)
@@ -362,7 +365,7 @@ def load(root: str, sharded_state_dict: dict, iteration: int) -> dict:
     layout is compared with this run's (:func:`check_layout`).
     """
     path = iteration_dir(root, iteration)
-    checkpoint = verify_checkpoint_metadata(path)
+    checkpoint = verify_on_every_rank(path)
     common = checked_common(checkpoint)
     saved, now = saved_layout(checkpoint), current_layout(sharded_state_dict)
     check_layout(saved, now, path)
@@ -376,6 +379,7 @@ def load(root: str, sharded_state_dict: dict, iteration: int) -> dict:
         _reraise_in_one_line(e, f"--load {path}: cannot load checkpoint")
     verify_loaded_extra_state(loaded.get("model"), path)
     loaded["common"] = common  # the checked copy (megatron read the file once more)
+    loaded.pop(mcore_compat.VERSION_KEY, None)
     rng = loaded.pop("rng_state", None)
     if not (restore_rng and _restore_rng(rng, path)):
         _reseed(iteration, saved, now)

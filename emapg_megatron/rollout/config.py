@@ -33,7 +33,7 @@ class SamplerConfig:
     max_forward_tokens: int = option(MAX_FORWARD_TOKENS, flag="--inference-batch-times-seqlen-threshold",
                                      range=at_least(1, also=(-1,)))
     """Built-in sampler with the KV cache: a forward of more rows x tokens than this (a long prefill
-    of many sequences) runs in micro-batches of rows through Megatron's inference path, bounding its
+    of many sequences) runs in micro-batches of rows through Megatron's KV cache, bounding its
     activation memory (Megatron-LM's flag; here at any PP size, and on by default, where
     Megatron-LM's default -1 is off); -1: never split."""
 

@@ -23,7 +23,8 @@ rank's sequences go through it in waves of :func:`cache_rows`: ``--inference-max
 (Megatron-LM's flag) when given, else as many as fit in free GPU memory (all of them on CPU).
 Waves change nothing sampled: a sequence's uniforms are keyed by its global index. A forward of
 more than ``--inference-batch-times-seqlen-threshold`` tokens (a long prefill of many rows) runs
-in micro-batches of rows through Megatron's own path, so its activations stay bounded.
+in micro-batches of rows, each written to its own rows of the cache, so its activations stay
+bounded (:meth:`CachedForward.forward_in_row_batches`; Megatron-Core 0.19 has no such path).
 """
 
 from __future__ import annotations
@@ -36,15 +37,9 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.inference.contexts import StaticInferenceContext
-from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import (
-    GPTInferenceWrapper,
-)
-from megatron.core.inference.model_inference_wrappers.inference_wrapper_config import (
-    InferenceWrapperConfig,
-)
 from megatron.core.utils import get_attr_wrapped_model, get_model_config
 
-from emapg_megatron import runtime
+from emapg_megatron import mcore_compat, runtime
 from emapg_megatron.errors import ConfigError
 from emapg_megatron.models.gpt import has_local_attention
 from emapg_megatron.rollout.episodes import Turn
@@ -142,16 +137,11 @@ class CachedForward:
     def __init__(self, model, max_batch: int, max_len: int, max_forward_tokens: int | None = None):
         cfg = get_model_config(model)
         self.max_forward_tokens = max_forward_tokens  # rows x width above it: row micro-batches
-        wcfg = InferenceWrapperConfig(
-            hidden_size=cfg.hidden_size, params_dtype=cfg.params_dtype,
-            inference_batch_times_seqlen_threshold=max_forward_tokens or -1,
-            padded_vocab_size=_output_size(model), fp32_residual_connection=cfg.fp32_residual_connection,
-            fp8=cfg.fp8)  # under FP8 Megatron pads TE GEMM inputs: rows leave, counts go odd
         self.context = StaticInferenceContext(max_batch, max_len)
         # Megatron's DDP wrapper adds nothing to a forward without grad, and lacks the
-        # set_input_tensor that the wrapper's micro-batched path calls on its model.
+        # set_input_tensor that the wrapper calls on its model.
         inner = model.module if isinstance(model, DistributedDataParallel) else model
-        self.wrapper = GPTInferenceWrapper(inner, wcfg, self.context)
+        self.wrapper = mcore_compat.gpt_inference_wrapper(inner, self.context, cfg, _output_size(model))
         # TE drops a mask at an offset; Megatron's fused masked softmax takes only square scores.
         self.chunks_after_prefill = has_local_attention(model) and not cfg.masked_softmax_fusion
         self.rows_fed: list[int] = []  # rows per forward: finished rows cost nothing
@@ -169,12 +159,29 @@ class CachedForward:
         # The wrapper's run_one_forward_step runs under inference_mode; plain no_grad keeps the
         # cache and Megatron's shared attention buffer ordinary tensors for the training passes.
         # With PP=1 these forwards have no pipeline neighbours. A prefill of many rows runs in
-        # micro-batches of rows (Megatron's path), which bounds its activation memory.
+        # micro-batches of rows, which bounds its activation memory.
         if self.max_forward_tokens and tokens.numel() > self.max_forward_tokens:
-            logits = self.wrapper.forward_pass_with_pipeline_parallel_large_input_batch(inputs)
-        else:
-            logits = self.wrapper.forward_pass_with_pipeline_parallel_small_input_batch(inputs)
+            return self.forward_in_row_batches(inputs)
+        return self._last_logits(inputs)
+
+    def _last_logits(self, inputs: dict) -> torch.Tensor | None:
+        logits = mcore_compat.forward_whole_batch(self.wrapper, inputs)
         return None if logits is None else logits[:, -1]
+
+    def forward_in_row_batches(self, inputs: dict) -> torch.Tensor | None:
+        """:meth:`__call__` in micro-batches of as many rows as fit in ``max_forward_tokens``
+        (at least one). Each writes its rows of the cache (the context's batch offset) at the
+        same positions; the pipeline stages run the micro-batches one after another."""
+        tokens, offset = inputs["tokens"], self.context.sequence_len_offset
+        rows = max(1, self.max_forward_tokens // tokens.shape[1])
+        last = []
+        for start in range(0, tokens.shape[0], rows):
+            self.context.sequence_len_offset, self.context.batch_size_offset = offset, start
+            part = {key: value if key == "attention_mask" else value[start:start + rows]
+                    for key, value in inputs.items()}  # one mask for every row
+            last.append(self._last_logits(part))
+        self.context.batch_size_offset = 0  # the offset stays advanced past this forward
+        return None if last[0] is None else torch.cat(last)
 
     def keep_rows(self, keep: list[int]) -> None:
         """Move cache rows ``keep`` (live rows, ascending) to the front, in order.

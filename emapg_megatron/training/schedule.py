@@ -28,7 +28,8 @@ def positions_for(tokens: torch.Tensor) -> torch.Tensor:
 
 
 def model_output(model, tokens: torch.Tensor, *, position_ids: torch.Tensor | None = None,
-                 attention_mask: torch.Tensor | None = None, packed_seq_params=None) -> torch.Tensor:
+                 attention_mask: torch.Tensor | None = None, packed_seq_params=None,
+                 **model_kwargs) -> torch.Tensor:
     """What this pipeline stage outputs, in the model's compute dtype: the vocab-sharded logits
     on the last stage (the final hidden states while ``models.hidden_output`` bypasses the output
     layer), hidden states on the others.
@@ -37,8 +38,10 @@ def model_output(model, tokens: torch.Tensor, *, position_ids: torch.Tensor | No
     large copy of the biggest activation. The vocab-parallel ops upcast chunk by chunk instead.
     The keyword arguments carry packed sequences (``PackedRow.model_inputs``); given
     ``position_ids`` without ``packed_seq_params``, RoPE is taken at them (``packing.rope_at``).
+    ``model_kwargs`` go to the model as they are (``OutputCapture.model_kwargs``).
     """
     kwargs = {"fp32_output": False} if isinstance(getattr(model, "module", None), Float16Module) else {}
+    kwargs.update(model_kwargs)
     if packed_seq_params is not None:
         kwargs["packed_seq_params"] = packed_seq_params
     positions = positions_for(tokens) if position_ids is None else position_ids
@@ -46,8 +49,8 @@ def model_output(model, tokens: torch.Tensor, *, position_ids: torch.Tensor | No
         return model(tokens, positions, attention_mask, **kwargs)
 
 
-def _stage_output(model, mb: dict) -> torch.Tensor:
-    return model_output(model, mb["tokens"], **layout_of(mb).model_inputs(model, mb))
+def _stage_output(model, mb: dict, **model_kwargs) -> torch.Tensor:
+    return model_output(model, mb["tokens"], **layout_of(mb).model_inputs(model, mb), **model_kwargs)
 
 
 def _output(model, mb: dict, fused_lmhead: bool):
@@ -61,7 +64,7 @@ def _output(model, mb: dict, fused_lmhead: bool):
         logits = _stage_output(model, mb)
         return logits, lambda output: output
     with output_layer_bypassed(model) as cap:
-        hidden = _stage_output(model, mb)
+        hidden = _stage_output(model, mb, **cap.model_kwargs)
     weight = cap.weight
     return hidden, lambda output: output if weight is None else HiddenAndWeight(output, weight)
 

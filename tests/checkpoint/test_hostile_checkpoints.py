@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.metadata import (
     MetadataIndex,
 )
 
+from emapg_megatron import mcore_compat
 from emapg_megatron.checkpoint import training as checkpointing
 from emapg_megatron.checkpoint.safe_load import (
     BACKEND,
@@ -147,9 +148,9 @@ def test_allocating_callables_in_common_pt_are_refused(gadget, legacy, tmp_path)
                                   f"references {qualname}")
 
 
-def byte_item_checkpoint(root, payload: bytes, relative_path="__0_0.distcp", offset=0, length=None):
+def byte_item_checkpoint(root, payload: bytes, relative_path="__0_0.distcp", offset=0, length=None,
+                         fqn="rng_state/shard_0_1"):
     """A checkpoint whose metadata names one byte item (as the RNG state is stored)."""
-    fqn = "rng_state/shard_0_1"
     storage = {MetadataIndex(fqn): _StorageInfo(relative_path, offset,
                                                 len(payload) if length is None else length)}
     md = Metadata(state_dict_metadata={fqn: BytesStorageMetadata()}, storage_data=storage)
@@ -157,6 +158,37 @@ def byte_item_checkpoint(root, payload: bytes, relative_path="__0_0.distcp", off
     with open(os.path.join(path, "__0_0.distcp"), "wb") as f:
         f.write(payload)
     return path
+
+
+def common_item_checkpoint(root, common) -> str:
+    """megatron-core 0.19's layout: the common state is the byte item ``common_state``, no common.pt."""
+    buf = io.BytesIO()
+    torch.save(common, buf)
+    path = byte_item_checkpoint(root, buf.getvalue(), fqn=f"{mcore_compat.COMMON_ITEM}/shard_0_1")
+    os.remove(os.path.join(path, mcore_compat.COMMON_FILE))
+    return path
+
+
+def test_the_common_state_item_is_read_where_megatron_core_reads_it(tmp_path):
+    path = common_item_checkpoint(tmp_path, [trainer_common()])
+    where = f"{path}/__0_0.distcp (item {mcore_compat.COMMON_ITEM}/shard_0_1)"
+    if not mcore_compat.READS_COMMON_ITEM:  # 0.16.1: one line instead of megatron's AttributeError
+        with pytest.raises(ConfigError, match="after 0.16 .its common state is inside the .distcp"):
+            verify_checkpoint_metadata(path)
+        return
+    checkpoint = verify_checkpoint_metadata(path)
+    assert checkpoint.common_where == where
+    assert checkpointing.checked_common(checkpoint)["scheduler"] == SCHEDULER
+    assert checkpointing.saved_layout(checkpoint) == LAYOUT
+
+
+@pytest.mark.parametrize("common", [{"common": {}}, [], [1, 2], [[1]]], ids=repr)
+def test_a_common_state_item_of_another_shape_is_corrupt(common, tmp_path):
+    path = common_item_checkpoint(tmp_path, common)
+    with pytest.raises(ConfigError) as e:
+        verify_checkpoint_metadata(path)
+    assert one_line(e).startswith(f"corrupt checkpoint file {path}/__0_0.distcp (item "
+                                  f"{mcore_compat.COMMON_ITEM}/shard_0_1): holds ")
 
 
 def test_a_byte_item_asking_for_a_bytearray_is_refused(tmp_path):
@@ -235,7 +267,8 @@ def test_a_checkpoint_without_common_pt_is_one_line(tmp_path):
     os.remove(os.path.join(path, "common.pt"))
     with pytest.raises(ConfigError) as e:
         checkpointing.load(str(tmp_path), {}, 1)
-    assert one_line(e) == f"corrupt checkpoint {path}: no common.pt"
+    assert one_line(e) == (f"corrupt checkpoint {path}: no common.pt (nor the common_state item "
+                           f"megatron-core 0.19 writes instead)")
 
 
 @pytest.mark.parametrize("change", [

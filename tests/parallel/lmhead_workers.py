@@ -204,6 +204,7 @@ def gpt_compare(tied: bool, bf16: bool, sequence_parallel: bool = False) -> dict
 
     from emapg_megatron.models.config import PrecisionConfig
     from emapg_megatron.models.gpt import unwrap
+    from emapg_megatron.models.hidden_output import output_layer_bypassed
     from emapg_megatron.training.config import OptimConfig
     from emapg_megatron.training.model_and_optimizer import (
         build_model_and_optimizer,
@@ -225,6 +226,9 @@ def gpt_compare(tied: bool, bf16: bool, sequence_parallel: bool = False) -> dict
         out[name] = dict(nograd=nograd, losses=[d["loss"] for d in losses], grads=grads_by_global_name(chunks[0]))
     gpt = unwrap(chunks[0])
     out["restored"] = not gpt.post_process or "forward" not in gpt.output_layer.__dict__  # the hook is undone
+    with output_layer_bypassed(chunks[0]) as cap:  # how: megatron-core's output_processor, or a patch
+        out["hook"] = {"last_stage": gpt.post_process, "model_kwargs": sorted(cap.model_kwargs),
+                       "patched": gpt.post_process and "forward" in gpt.output_layer.__dict__}
     return out
 
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 from lmhead_workers import DTYPES, op_inputs, op_run, pp_job, saved_bytes, tp_job
 
+from emapg_megatron import mcore_compat
 from emapg_megatron.multiprocess import run_distributed
 
 REL = {"fp64": 1e-12, "fp32": 1e-6, "bf16": 2.0 ** -8}
@@ -111,6 +112,13 @@ def _check_gpt(ranks, bf16):
     out_weights = ("output_layer.weight", "embedding.word_embeddings.weight")  # tied: summed over stages
     for res in ranks:
         assert res["restored"]
+        hook = res["hook"]  # on the last stage megatron-core's own seam where it has one, else a patch
+        if not hook.pop("last_stage"):
+            assert hook == {"patched": False, "model_kwargs": []}
+        elif mcore_compat.HAS_OUTPUT_PROCESSOR:
+            assert hook == {"patched": False, "model_kwargs": ["output_processor"]}
+        else:
+            assert hook == {"patched": True, "model_kwargs": []}
         f, u = res["fused"], res["unfused"]
         assert len(f["losses"]) == len(u["losses"])
         for a, b in zip(f["losses"], u["losses"]):

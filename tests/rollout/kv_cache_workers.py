@@ -146,25 +146,37 @@ def sample_both_paths(ckpt: str, save: bool, shape: dict | None = None):
 
 def _split_forwards(model, prompts, seq_index):
     """Cached samples with forwards of more than ``SPLIT`` tokens (the prefill, history chunks)
-    run in micro-batches of rows, through Megatron's micro-batched inference path."""
+    run in micro-batches of rows (``CachedForward.forward_in_row_batches``)."""
     from emapg_megatron.rollout import kv_cache_decoding as kv
 
-    wrapper = kv.GPTInferenceWrapper
-    real, calls = wrapper.forward_pass_with_pipeline_parallel_large_input_batch, []
+    forward = kv.CachedForward
+    real, real_part, calls, parts = forward.forward_in_row_batches, forward._last_logits, [], []
+
+    inside = []
 
     def counted(self, inputs, *args, **kwargs):
         calls.append(tuple(inputs["tokens"].shape))
-        return real(self, inputs, *args, **kwargs)
+        parts.append([])
+        inside.append(True)
+        try:
+            return real(self, inputs, *args, **kwargs)
+        finally:
+            inside.pop()
 
-    wrapper.forward_pass_with_pipeline_parallel_large_input_batch = counted
+    def part(self, inputs):  # one micro-batch, or a whole forward outside ``counted``
+        if inside:
+            parts[-1].append(tuple(inputs["tokens"].shape))
+        return real_part(self, inputs)
+
+    forward.forward_in_row_batches, forward._last_logits = counted, part
     try:
         out = {"cached_split": _generate(_sampler(model, True, max_forward_tokens=SPLIT), prompts, seq_index)}
         sampler = _sampler(model, True, max_forward_tokens=SPLIT)
         sampler.eos_id = None
         out["cached_split_episodes"] = _episodes(sampler, prompts, seq_index, cut=True)
     finally:
-        wrapper.forward_pass_with_pipeline_parallel_large_input_batch = real
-    out["split_calls"] = calls
+        forward.forward_in_row_batches, forward._last_logits = real, real_part
+    out["split_calls"], out["split_parts"] = calls, parts
     return out
 
 

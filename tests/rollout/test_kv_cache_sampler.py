@@ -179,9 +179,13 @@ def test_model_parallel_ranks_take_the_first_ranks_environment_answers(layouts, 
 @pytest.mark.parametrize("layout", ALL)
 def test_large_forwards_run_in_row_micro_batches_and_sample_the_same(layouts, layout):
     """Forwards of more than ``SPLIT`` tokens (the prefill of 8 rows x 3 tokens; history chunks
-    of the multi-turn run) go through Megatron's micro-batched path: the same samples."""
+    of the multi-turn run) run in micro-batches of rows of at most ``SPLIT`` tokens (one row at
+    least), which together cover the forward's rows: the same samples."""
     for rank in layouts[layout]:
         _same(rank["cached_split"], rank["reference"])
         _same(rank["cached_split_episodes"], rank["reference_episodes_cut"])
         assert rank["split_calls"][0] == (len(PROMPTS) * N, 3)  # the prefill
         assert all(rows * width > SPLIT for rows, width in rank["split_calls"])
+        for (rows, width), parts in zip(rank["split_calls"], rank["split_parts"], strict=True):
+            assert sum(r for r, _ in parts) == rows and len(parts) > 1
+            assert all(w == width and (r * w <= SPLIT or r == 1) for r, w in parts)

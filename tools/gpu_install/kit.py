@@ -74,7 +74,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 GROUPS = ("mcore", "te", "vllm")
 NEEDS = {"mcore": (), "te": ("mcore",), "vllm": ("mcore",)}
-# The setup.py pin each group is built from (megatron-core: install_requires; the others: extra gpu).
+# The setup.py pin each group is built from: the gpu extra's (for megatron-core the release checked
+# on a GPU, inside install_requires' range).
 PINNED = {"mcore": "megatron-core", "te": "transformer-engine", "vllm": "vllm"}
 TE_EXTRAS = ["core_cu13", "pytorch"]  # the only TE extras this kit knows how to carry
 
@@ -245,8 +246,8 @@ class Pin:
 
 
 def read_pins(setup_py: Path) -> dict[str, Pin]:
-    """megatron-core's pin from install_requires, TE's and vLLM's from the ``gpu`` extra (parsed with
-    ast: setup.py is not imported)."""
+    """megatron-core's, TE's and vLLM's pins from the ``gpu`` extra (parsed with ast: setup.py is
+    not imported); a package named in both takes the extra's pin."""
     try:
         tree = ast.parse(Path(setup_py).read_text(encoding="utf-8"), str(setup_py))
     except (OSError, SyntaxError) as exc:
@@ -271,8 +272,8 @@ def read_pins(setup_py: Path) -> dict[str, Pin]:
             found[canonicalize_name(r.name)] = Pin(canonicalize_name(r.name), sorted(r.extras),
                                                    str(r.specifier), where)
     pins = {}
-    for group, name in PINNED.items():
-        want = "install_requires" if group == "mcore" else "extras_require['gpu']"
+    for name in PINNED.values():
+        want = "extras_require['gpu']"
         pin = found.get(name)
         if pin is None or pin.where != want:
             raise KitError(f"{setup_py}: no {name} in {want}")

@@ -26,12 +26,14 @@ python312() {
   return 1
 }
 
-suite() {  # install into, then test, the environment that tools/python.sh names
-  bash tools/install_cpu.sh
-  local py
-  py=$(bash tools/python.sh)
-  say "$1: megatron-core $("$py" -c 'from importlib.metadata import version; print(version("megatron-core"))'), Python $("$py" -c 'import platform; print(platform.python_version())')"
+suite() {  # NAME [env settings of the install scripts ...] -- pytest arguments
+  local name=$1 settings=() py
   shift
+  while [[ "$1" != -- ]]; do settings+=("$1"); shift; done
+  shift
+  env "${settings[@]}" bash tools/install_cpu.sh  # the settings stay out of the tests' environment
+  py=$(env "${settings[@]}" bash tools/python.sh)
+  say "$name: megatron-core $("$py" -c 'from importlib.metadata import version; print(version("megatron-core"))'), Python $("$py" -c 'import platform; print(platform.python_version())')"
   PATH="$(dirname "$(command -v "$py")"):$PATH"  # scripts the tests run find the same python3
   export PATH OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} CUDA_DEVICE_MAX_CONNECTIONS=1
   "$py" -m pytest tests -q -p no:cacheprovider --timeout=900 --durations=15 "$@"
@@ -40,11 +42,10 @@ suite() {  # install into, then test, the environment that tools/python.sh names
 status=0
 for name in ${SUITES:-mcore016 mcore019}; do
   case "$name" in
-    mcore016) (suite "$name" "$@") || status=1 ;;
-    mcore019) (unset PYTHON VIRTUAL_ENV
-               export VENV=.venv-mcore019 MCORE_VERSION=$MCORE019_VERSION BASE_PYTHON
-               BASE_PYTHON=$(python312)
-               suite "$name" "$@") || status=1 ;;
+    mcore016) (suite "$name" -- "$@") || status=1 ;;
+    mcore019) (py312=$(python312)
+               suite "$name" -u PYTHON -u VIRTUAL_ENV VENV=.venv-mcore019 BASE_PYTHON="$py312" \
+                     MCORE_VERSION="$MCORE019_VERSION" -- "$@") || status=1 ;;
     *) say "unknown suite '$name' in SUITES (mcore016, mcore019)"; exit 2 ;;
   esac
 done

@@ -34,8 +34,17 @@ def _fake_python(tmp_path, reachable: bool) -> tuple[str, str]:
     return str(py), str(log)
 
 
+# The scripts' settings, which tests/run.sh's second suite sets around pytest: each test sets its own.
+SETTINGS = ("VIRTUAL_ENV", "PYTHON", "VENV", "BASE_PYTHON", "MCORE_VERSION", "TORCH_VERSION", "EXTRAS",
+            "CPU_INDEX")
+
+
+def _clean_env(env: dict) -> dict:
+    return {**{k: v for k, v in os.environ.items() if k not in SETTINGS}, **env}
+
+
 def _install(env: dict) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in {**os.environ, **env}.items() if k != "VIRTUAL_ENV"}
+    env = _clean_env(env)
     return subprocess.run(["bash", "tools/install_cpu.sh"], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=120)
 
@@ -66,7 +75,7 @@ def test_megatron_core_is_pinned_when_asked(tmp_path):
 
 def test_the_interpreter_is_python_or_the_active_venv_or_dot_venv(tmp_path):
     def which(**env):
-        env = {**{k: v for k, v in os.environ.items() if k not in ("PYTHON", "VIRTUAL_ENV")}, **env}
+        env = _clean_env(env)
         return subprocess.run(["bash", "tools/python.sh", *env.pop("_args", [])], cwd=ROOT, env=env,
                               capture_output=True, text=True).stdout.strip()
 

@@ -157,6 +157,7 @@ def validate(cfg: RunConfig, world_size: int) -> None:
     _validate_schedule(cfg)
     _validate_batches(cfg, world_size)
     _validate_engines(cfg)
+    _validate_partial_rollouts(cfg, world_size)
     configurable.check_paths(cfg, outputs=not dry)
     if not dry:  # a dry run's paths may be another machine's
         _validate_fresh_outputs(cfg)
@@ -211,6 +212,33 @@ def _validate_engines(cfg: RunConfig) -> None:
     _check(cfg.loss.rollout_is == "none" or (cfg.step.temperature == 1.0 and cfg.step.top_p == 1.0),
            "--rollout-is compares the engine's log-probs with the trainer's, which are taken at "
            "temperature 1 without top-p: it needs --temperature 1 --top-p 1")
+
+
+def _validate_partial_rollouts(cfg: RunConfig, world_size: int) -> None:
+    """What --partial-rollouts does not support yet, each refused in one line (it is off by
+    default; docs/partial_rollouts.md)."""
+    if not cfg.step.partial_rollouts:
+        return
+    why = partial_rollouts_refusal(cfg, world_size)
+    _check(why is None, f"--partial-rollouts {why}")
+
+
+def partial_rollouts_refusal(cfg: RunConfig, world_size: int) -> str | None:
+    """Why the run's other flags rule out --partial-rollouts (None when they do not)."""
+    sampler, dp = cfg.sampler, cfg.parallel.data_parallel_size(world_size)
+    rules = (
+        (sampler.engine != "megatron", "needs the built-in sampler (--rollout-engine megatron): it "
+                                       "continues sequences through its KV cache"),
+        (not sampler.kv_cache, "needs the KV-cached sampler (drop --no-rollout-kv-cache)"),
+        (bool(sampler.fixed_shape), "does not support --inference-fixed-shape-decode yet"),
+        (cfg.parallel.sequence_parallel, "does not support --sequence-parallel (no KV-cached sampling "
+                                         "under it)"),
+        (dp > 1, f"needs data-parallel size 1 for now (got {dp}): the in-flight groups live on the "
+                 "rank that sampled them"),
+        (cfg.task.name == "search", "does not support multi-turn tasks (--task search): an "
+                                    "episode's environment state cannot be carried between steps"),
+    )
+    return next((why for refused, why in rules if refused), None)
 
 
 def _validate_fresh_outputs(cfg: RunConfig) -> None:

@@ -93,6 +93,9 @@ def prepare(argv=None) -> RunInputs:
     if cfg.model.pretrained_checkpoint:
         check_pretrained_architecture(model_cfg, cfg.model.pretrained_checkpoint)
     tokenizer, task = build_tokenizer_and_task(cfg)
+    if cfg.step.partial_rollouts and task.multi_turn:
+        raise ConfigError(f"--partial-rollouts does not support multi-turn tasks (--task {cfg.task.name}): "
+                          "an episode's environment state cannot be carried between steps")
     teacher_cfg = teacher_architecture(cfg, model_cfg, tokenizer)
     prompts = load_prompts(cfg, tokenizer, task, cfg.task.data_path)
     return RunInputs(cfg, model_cfg, tokenizer, task, prompts, load_eval_rows(cfg, tokenizer, task),

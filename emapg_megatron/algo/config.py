@@ -71,11 +71,29 @@ class StepConfig:
     task_reward: bool = option(True, negatable=True)
     """Form the advantages from the task's reward; --no-task-reward leaves them to the KL terms
     alone (pure on-policy distillation: needs a teacher). The reward is still computed and logged."""
+    partial_rollouts: bool = option(False, aliases=("--rl-partial-rollouts",))
+    """Partial rollouts (docs/partial_rollouts.md): keep --partial-rollout-oversample x
+    --rollout-batch-size prompt groups in flight and stop generating as soon as
+    --rollout-batch-size groups have every sample finished; the unfinished sequences keep their
+    tokens, behaviour log-probs and policy versions and continue first in the next step under the
+    new weights (re-prefilled). Groups are never split. Built-in KV-cached sampler only."""
+    partial_rollout_oversample: float = option(2.0, range=at_least(1))
+    """--partial-rollouts: prompt groups in flight per step, as a multiple of --rollout-batch-size
+    (rounded up); the carried groups come first, then fresh prompts."""
+    max_staleness: int = option(1, range=at_least(0))
+    """--partial-rollouts: a carried sequence holding a token more than K policy versions older than
+    the policy it would be trained at is dropped (counted in partial/dropped_stale) and restarts
+    from its prompt; 0 restarts every carried sequence."""
 
     @property
     def rollout_size(self) -> int:
         """Sequences sampled per step: B x N."""
         return self.rollout_batch_size * self.num_samples
+
+    @property
+    def rollout_pool_size(self) -> int:
+        """--partial-rollouts: prompt groups in flight per step (at least --rollout-batch-size)."""
+        return math.ceil(self.rollout_batch_size * self.partial_rollout_oversample)
 
     @property
     def mini_batch_size(self) -> int:

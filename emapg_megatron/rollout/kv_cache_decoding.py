@@ -206,7 +206,8 @@ def _output_size(model) -> int:
 def decode_lockstep(model, streams: list[Stream], max_len: int,
                     sample: Callable[[torch.Tensor | None, list[Stream]], tuple[list[int], list[float]]],
                     advance: Callable[[list[Stream], list[int], list[float]], list[str]], *,
-                    rows_fed: list[int] | None = None, max_forward_tokens: int | None = None) -> list[Stream]:
+                    rows_fed: list[int] | None = None, max_forward_tokens: int | None = None,
+                    halted: Callable[[], bool] | None = None) -> list[Stream]:
     """Continue ``streams`` in one cache until every one is done.
 
     ``sample(logits_or_None, due)`` draws the next token of each row in ``due`` (the same
@@ -214,7 +215,8 @@ def decode_lockstep(model, streams: list[Stream], max_len: int,
     once (a multi-turn caller lets the environments of every turn that ended answer together),
     and says of each row whether it continues (its ``known`` may grow by a whole observation),
     is done, or must restart in a fresh cache because its new history rewrites tokens already
-    cached. Returns the latter.
+    cached. Returns the latter. ``halted()`` True after a step stops the decoding there (partial
+    rollouts: the rows left keep what they sampled).
     """
     if not streams:
         return []
@@ -224,7 +226,7 @@ def decode_lockstep(model, streams: list[Stream], max_len: int,
     active, restart, fed = list(streams), [], 0
     try:
         with torch.no_grad():
-            while active:
+            while active and not (halted and halted()):
                 logits = forward(_next_tokens(active, fed, forward.chunks_after_prefill))
                 fed = forward.context.sequence_len_offset
                 status = _advance_due(active, fed, logits, sample, advance)

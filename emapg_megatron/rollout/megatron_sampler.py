@@ -196,9 +196,11 @@ class MegatronSampler:
         turn.text = self.tokenizer.decode(turn.token_ids) if self.tokenizer else ""
         return turn
 
-    def _lockstep(self, streams: list[kv.Stream], advance, temperature: float, top_p: float):
+    def _lockstep(self, streams: list[kv.Stream], advance, temperature: float, top_p: float,
+                  halted=None):
         """Run ``streams`` through the KV cache, in waves of :func:`kv.cache_rows` (see
-        :func:`kv.decode_lockstep`); returns the streams to restart."""
+        :func:`kv.decode_lockstep`); returns the streams to restart. ``halted()`` True stops the
+        decoding (no later wave starts)."""
 
         def sample(logits, due):
             # Host floats, one transfer per step (a device tensor per row would cost an op each).
@@ -211,9 +213,11 @@ class MegatronSampler:
         model, restart = self.model_chunks[0], []
         size = kv.cache_rows(model, len(streams), self.seq_length, self.max_requests)
         for start in range(0, len(streams), size):
+            if halted is not None and halted():
+                break
             restart += kv.decode_lockstep(model, streams[start:start + size], self.seq_length, sample,
                                           advance, rows_fed=self.rows_fed,
-                                          max_forward_tokens=self.max_forward_tokens)
+                                          max_forward_tokens=self.max_forward_tokens, halted=halted)
             self.cache_waves += 1
         return restart
 
@@ -275,6 +279,41 @@ class MegatronSampler:
         turns = self._decode(histories, [max_new_tokens] * S, uniforms, temperature, top_p, stop)
         return build_rollout_batch(prompts, [t.token_ids for t in turns], [t.logprobs for t in turns],
                                    self.seq_length, self.pad_id, n)
+
+    def continue_sequences(self, seqs, *, temperature: float, top_p: float, max_new_tokens: int,
+                           stop: Sequence[str] | None = None, enough=None) -> list[Turn]:
+        """Partial rollouts: continue each of ``seqs`` (``.prompt``, the ``.tokens`` and
+        ``.logprobs`` it has, ``.rng_step`` and ``.row`` keying its uniforms) up to
+        ``max_new_tokens`` tokens in all, through the KV cache (a continued sequence is
+        re-prefilled with its prompt and tokens). With ``enough(finished)`` (a flag per sequence)
+        the decoding stops after the first step where it is True; a turn left unfinished has
+        finish reason "". Each turn holds the sequence's tokens and log-probs, old and new.
+
+        A sequence's token t always takes uniform t of its key, so continuing it under unchanged
+        weights samples what one uninterrupted generate of it would.
+        """
+        warn_if_truncated_sampling(top_p)
+        if not self._cached() or self._fixed_shape_on():
+            raise ValueError("partial rollouts continue sequences through the KV-cached path only")
+        streams = [kv.Stream(i, list(q.prompt) + list(q.tokens), max_new_tokens,
+                             self._uniforms(q.rng_step, 0, [q.row], max_new_tokens)[0].tolist(),
+                             Turn(list(q.tokens), list(q.logprobs), ""))
+                   for i, q in enumerate(seqs)]
+        self._check_room([list(q.prompt) for q in seqs], [max_new_tokens] * len(seqs))
+        finished, halt = [False] * len(streams), [False]
+
+        def advance(due, tokens, lps):
+            ended = self._record_step(due, tokens, lps, stop)
+            for s, end in zip(due, ended):
+                finished[s.key] = end
+            halt[0] = enough is not None and enough(finished)
+            return [kv.DONE if end else kv.CONTINUE for end in ended]
+
+        self.rows_fed.clear()
+        self.cache_waves = 0
+        live = [s for s in streams if len(s.turn.token_ids) < max_new_tokens]
+        self._lockstep(live, advance, temperature, top_p, halted=lambda: halt[0])
+        return [self._close(s.turn) for s in streams]
 
     def generate_episodes(self, prompts, n: int, envs, *, tokenizer, temperature: float, top_p: float,
                           max_new_tokens: int, stop: Sequence[str] | None = None, rng_step: int = 0,

@@ -153,11 +153,11 @@ def validate(cfg: RunConfig, world_size: int) -> None:
     cfg.kl.validate()
     cfg.ema.validate(cfg.optim.use_distributed_optimizer)
     cfg.teacher.validate()
+    _validate_partial_rollouts(cfg, world_size)  # before the engines' rules: it names what to drop
     _validate_teacher(cfg)
     _validate_schedule(cfg)
     _validate_batches(cfg, world_size)
     _validate_engines(cfg)
-    _validate_partial_rollouts(cfg, world_size)
     configurable.check_paths(cfg, outputs=not dry)
     if not dry:  # a dry run's paths may be another machine's
         _validate_fresh_outputs(cfg)

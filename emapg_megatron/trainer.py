@@ -25,7 +25,8 @@ from emapg_megatron.kl.config import KLConfig
 from emapg_megatron.models.gpt import unwrap
 from emapg_megatron.parallel import kl_from_policy_terms
 from emapg_megatron.parallel.output_heads import LogitsHead
-from emapg_megatron.rollout.engine import logprob_mismatch
+from emapg_megatron.rollout.engine import build_rollout_batch, logprob_mismatch
+from emapg_megatron.rollout.partial import InFlight, lag_stats
 from emapg_megatron.tasks.base import encode_text
 from emapg_megatron.tasks.passk import default_ks, pass_at_k
 from emapg_megatron.training import packing, sequence_balance
@@ -140,6 +141,12 @@ class Trainer:
         self.prompt_texts: list[str] = []  # this DP rank's prompts of the last step
         self.samples: list[tuple[str, str, float]] = []  # its (prompt, response, reward) per sequence
         self.episode_counts: dict[str, float] = {}  # multi-turn: the environments' counts, summed
+        # --partial-rollouts: the prompt groups in flight between steps, and the last step's counts
+        self.in_flight = (InFlight(step_cfg.num_samples, step_cfg.rollout_batch_size,
+                                   step_cfg.rollout_pool_size, step_cfg.max_staleness)
+                          if step_cfg is not None and step_cfg.partial_rollouts else None)
+        self.partial_stats: dict[str, float] = {}
+        self.rollout_tokens = 0  # --partial-rollouts: tokens sampled by the last rollout
 
     # --- checkpoint state ----------------------------------------------------------------
     def sharded_state_dict(self, *, is_loading: bool = False) -> dict:
@@ -149,8 +156,10 @@ class Trainer:
         return {"model": model_sd, "optimizer": optim_sd, "ema": self.anchor.sharded_state_dict(model_sd)}
 
     def common_state_dict(self) -> dict:
-        """The replicated state: LR schedule and the skipped-step count."""
-        return {"scheduler": self.scheduler.state_dict(), "skipped_steps": self.skipped_steps}
+        """The replicated state: LR schedule, the skipped-step count and, with --partial-rollouts,
+        the groups in flight and the data position (alike on every rank: DP is 1)."""
+        flight = {"in_flight": self.in_flight.state_dict()} if self.in_flight is not None else {}
+        return {"scheduler": self.scheduler.state_dict(), "skipped_steps": self.skipped_steps, **flight}
 
     def prepare_to_load(self, path: str) -> None:
         """Check the checkpoint's EMA layout (one clear line) and create the optimizer state."""
@@ -166,6 +175,17 @@ class Trainer:
         self.anchor.load_state_dict(loaded["ema"])
         self.scheduler.load_state_dict(loaded["common"]["scheduler"])
         self.skipped_steps = loaded["common"]["skipped_steps"]
+        if self.in_flight is not None:
+            self.load_in_flight(loaded["common"])
+
+    def load_in_flight(self, common: dict) -> None:
+        """The saved pool; a checkpoint of a run without partial rollouts has none: start at the
+        data position that run's next step would take (step i takes rows i*B .. i*B+B-1)."""
+        if "in_flight" in common:
+            self.in_flight.load_state_dict(common["in_flight"])
+            return
+        next_step = int(common.get("iteration", 0)) + 1
+        self.in_flight.load_state_dict({"cursor": next_step * self.cfg.rollout_batch_size, "groups": []})
 
     # --- parallel layout helpers -------------------------------------------------------
     @staticmethod
@@ -192,11 +212,48 @@ class Trainer:
     def rollout(self, iteration: int):
         """This DP rank's prompts x n samples: (batch, one row per sequence, response texts)."""
         self.episode_counts = {}
+        if self.in_flight is not None:
+            return self.partial_rollout(iteration)
         rows = self.data.rows_for_step(iteration, self.cfg.rollout_batch_size)
         mine = self.local_prompt_indices()
         local_rows = [rows[i] for i in mine]
         self.prompt_texts = [self.task.prompt(r, self.tokenizer) for r in local_rows]
         return self.sample(local_rows, mine, self.cfg.num_samples, iteration, self.prompt_texts)
+
+    def partial_rollout(self, iteration: int):
+        """--partial-rollouts (DP=1): continue the groups in flight and start fresh ones until
+        --rollout-batch-size groups are complete; train on those (rollout/partial.py)."""
+        flight, version = self.in_flight, iteration - 1  # the policy sampling now: after iteration-1 steps
+        dropped = flight.begin_step(iteration)
+        prompts: dict[int, list[int]] = {}
+
+        def prompt_of(pos: int) -> list[int]:
+            if pos not in prompts:
+                prompts[pos] = encode_text(self.tokenizer, self.task.prompt(self.data.row_at(pos), self.tokenizer))
+            return prompts[pos]
+
+        pending = flight.pending(prompt_of)
+        self.rollout_tokens = 0
+        if pending and flight.completed() < self.cfg.rollout_batch_size:
+            turns = self.sampler.continue_sequences(
+                pending, temperature=self.cfg.temperature, top_p=self.cfg.top_p,
+                max_new_tokens=self.cfg.max_new_tokens, stop=self.task.stop_strings or None,
+                enough=flight.enough(pending))
+            self.rollout_tokens = flight.record(pending, [t.token_ids for t in turns],
+                                                [t.logprobs for t in turns],
+                                                [t.finish_reason for t in turns], version)
+        groups = flight.take()
+        lag_mean, lag_max = lag_stats(groups, version)
+        self.partial_stats = {"partial/carried": float(flight.carried()), "partial/dropped_stale": float(dropped),
+                              "partial/policy_lag_mean": lag_mean, "partial/policy_lag_max": float(lag_max)}
+        rows = [self.data.row_at(g.pos) for g in groups]
+        self.prompt_texts = [self.task.prompt(r, self.tokenizer) for r in rows]
+        samples = [s for g in groups for s in g.samples]
+        batch = build_rollout_batch([prompt_of(g.pos) for g in groups], [s.tokens for s in samples],
+                                    [s.logprobs for s in samples], self.cfg.seq_length,
+                                    self.sampler.pad_id, self.cfg.num_samples)
+        seq_rows = [r for r in rows for _ in range(self.cfg.num_samples)]
+        return batch, seq_rows, [self.tokenizer.decode(r) for r in batch.responses]
 
     def sample(self, rows: list, positions: list[int], n: int, rng_step: int, prompt_texts: list[str]):
         """``n`` responses to each of ``rows`` (at ``positions`` of the step's global batch, which
@@ -406,6 +463,9 @@ class Trainer:
         contributes = self._is_last_stage() and _tp_rank() == 0
         local = {k: (stats[k] if contributes else 0.0) for k in LOSS_KEYS}
         local["gen_tokens"] = float(rollout.loss_mask.sum()) if contributes else 0.0
+        # partial rollouts train on tokens sampled in earlier steps: the rate counts this step's
+        sampled = self.rollout_tokens if self.in_flight is not None else local["gen_tokens"]
+        local["sampled_tokens"] = float(sampled) if contributes else 0.0
         # the environments stepped on the model-parallel group's first rank (episodes.answer)
         stepped = _tp_rank() == 0 and ps.is_pipeline_first_stage()
         local.update({k: (v if stepped else 0.0) for k, v in self.episode_counts.items()})
@@ -427,7 +487,7 @@ class Trainer:
             "response_len": g["gen_tokens"] / rewards.numel(),
             "tokens_per_s": g["gen_tokens"] / elapsed,
             "rollout_time_s": t_rollout - t0,
-            "rollout_tokens_per_s": g["gen_tokens"] / max(t_rollout - t0, 1e-9),
+            **self._rollout_rate(g["sampled_tokens"], t_rollout - t0),
             "step_time_s": elapsed,
             "update_time_s": time.monotonic() - t_passes,
             "lr": self.optimizer.param_groups[0]["lr"],
@@ -439,7 +499,15 @@ class Trainer:
             "skipped": stats["skipped"],
             "updates_refused": stats["updates_refused"],
             **self._episode_metrics(g, rewards.numel()),
+            **self.partial_stats,
         }
+
+    def _rollout_rate(self, sampled: float, seconds: float) -> dict:
+        """Tokens sampled per second of rollout; none for a partial-rollout step that sampled
+        nothing (enough complete groups were waiting): it has no rate."""
+        if self.in_flight is not None and not sampled:
+            return {}
+        return {"rollout_tokens_per_s": sampled / max(seconds, 1e-9)}
 
     def _zero_std_group_frac(self, rewards: torch.Tensor) -> dict:
         """Groups whose samples all got one reward: no advantage, so no policy gradient from them

@@ -208,12 +208,15 @@ class PromptSchedule:
         if epoch not in self._perms:
             order = list(range(len(self.rows)))
             random.Random(self.seed * 7919 + epoch).shuffle(order)
-            self._perms = {epoch: order}  # keep one epoch in memory
+            # keep two epochs in memory: partial rollouts' pool may straddle an epoch's end
+            self._perms = {e: p for e, p in self._perms.items() if e == epoch - 1}
+            self._perms[epoch] = order
         return self._perms[epoch]
 
+    def row_at(self, pos: int):
+        """The row at position ``pos`` of the data order (epoch after epoch)."""
+        epoch, idx = divmod(pos, len(self.rows))
+        return self.rows[self._perm(epoch)[idx]]
+
     def rows_for_step(self, step: int, batch_size: int) -> list:
-        out = []
-        for pos in range(step * batch_size, (step + 1) * batch_size):
-            epoch, idx = divmod(pos, len(self.rows))
-            out.append(self.rows[self._perm(epoch)[idx]])
-        return out
+        return [self.row_at(pos) for pos in range(step * batch_size, (step + 1) * batch_size)]

@@ -230,7 +230,6 @@ def partial_rollouts_refusal(cfg: RunConfig, world_size: int) -> str | None:
         (sampler.engine != "megatron", "needs the built-in sampler (--rollout-engine megatron): it "
                                        "continues sequences through its KV cache"),
         (not sampler.kv_cache, "needs the KV-cached sampler (drop --no-rollout-kv-cache)"),
-        (bool(sampler.fixed_shape), "does not support --inference-fixed-shape-decode yet"),
         (cfg.parallel.sequence_parallel, "does not support --sequence-parallel (no KV-cached sampling "
                                          "under it)"),
         (dp > 1, f"needs data-parallel size 1 for now (got {dp}): the in-flight groups live on the "

@@ -233,7 +233,7 @@ class Trainer:
             return prompts[pos]
 
         pending = flight.pending(prompt_of)
-        self.rollout_tokens = 0
+        self.rollout_tokens, forwards = 0, 0
         if pending and flight.completed() < self.cfg.rollout_batch_size:
             turns = self.sampler.continue_sequences(
                 pending, temperature=self.cfg.temperature, top_p=self.cfg.top_p,
@@ -242,10 +242,12 @@ class Trainer:
             self.rollout_tokens = flight.record(pending, [t.token_ids for t in turns],
                                                 [t.logprobs for t in turns],
                                                 [t.finish_reason for t in turns], version)
+            forwards = self.sampler.forwards()  # a machine-independent measure of the rollout's cost
         groups = flight.take()
         lag_mean, lag_max = lag_stats(groups, version)
         self.partial_stats = {"partial/carried": float(flight.carried()), "partial/dropped_stale": float(dropped),
-                              "partial/policy_lag_mean": lag_mean, "partial/policy_lag_max": float(lag_max)}
+                              "partial/policy_lag_mean": lag_mean, "partial/policy_lag_max": float(lag_max),
+                              "partial/forwards": float(forwards)}
         rows = [self.data.row_at(g.pos) for g in groups]
         self.prompt_texts = [self.task.prompt(r, self.tokenizer) for r in rows]
         samples = [s for g in groups for s in g.samples]

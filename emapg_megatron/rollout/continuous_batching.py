@@ -67,9 +67,11 @@ class SlotScheduler:
         self.stats = stats if stats is not None else ScheduleStats()
         self.slots: list[Stream | None] = [None] * decoder.slots
 
-    def run(self, streams: list[Stream]) -> None:
+    def run(self, streams: list[Stream], halted=None) -> None:
+        """``halted()`` True after a step stops the run there (partial rollouts: the sequences
+        left, live or waiting, keep what they sampled)."""
         queue = deque(streams)
-        while queue or self._live():
+        while (queue or self._live()) and not (halted is not None and halted()):
             if self.schedule == "continuous" or not self._live():
                 self._admit(queue)
             live = self._live()

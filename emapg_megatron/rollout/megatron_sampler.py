@@ -83,6 +83,13 @@ class MegatronSampler:
                        rollout_graph_memory_mb=self.graph_memory / 2**20)
         return out
 
+    def forwards(self) -> int:
+        """Model forwards of the last cached generate (decode steps and prefills)."""
+        stats = self.schedule_stats
+        if self._fixed_shape_on() and stats is not None:
+            return stats.decode_forwards + stats.prefill_forwards
+        return len(self.rows_fed)
+
     def _fixed_shape_on(self) -> bool:
         return bool(self.fixed_shape)  # opt-in until it has run on a GPU
 
@@ -209,7 +216,7 @@ class MegatronSampler:
             return ids.tolist(), lp.tolist()
 
         if self._fixed_shape_on():
-            return self._slots(streams, advance, temperature, top_p)
+            return self._slots(streams, advance, temperature, top_p, halted)
         model, restart = self.model_chunks[0], []
         size = kv.cache_rows(model, len(streams), self.seq_length, self.max_requests)
         for start in range(0, len(streams), size):
@@ -221,7 +228,7 @@ class MegatronSampler:
             self.cache_waves += 1
         return restart
 
-    def _slots(self, streams: list[kv.Stream], advance, temperature: float, top_p: float):
+    def _slots(self, streams: list[kv.Stream], advance, temperature: float, top_p: float, halted=None):
         """Run ``streams`` through the fixed-shape decoder's slots (sized as a wave), continuously
         batched; restarts happen in their own slot, so none is returned."""
         model = self.model_chunks[0]
@@ -234,7 +241,7 @@ class MegatronSampler:
                 decoder = StaticDecoder(model, slots, self.seq_length, self.vocab_size, temperature,
                                         top_p, cuda_graphs=self._graphs_on())
                 self.graph_memory = decoder.graphs.memory_bytes if decoder.graphs is not None else 0
-                SlotScheduler(decoder, advance, self.schedule, self.schedule_stats).run(streams)
+                SlotScheduler(decoder, advance, self.schedule, self.schedule_stats).run(streams, halted)
         finally:
             model.train(was_training)
         return []
@@ -293,7 +300,7 @@ class MegatronSampler:
         weights samples what one uninterrupted generate of it would.
         """
         warn_if_truncated_sampling(top_p)
-        if not self._cached() or self._fixed_shape_on():
+        if not self._cached():
             raise ValueError("partial rollouts continue sequences through the KV-cached path only")
         streams = [kv.Stream(i, list(q.prompt) + list(q.tokens), max_new_tokens,
                              self._uniforms(q.rng_step, 0, [q.row], max_new_tokens)[0].tolist(),

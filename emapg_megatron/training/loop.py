@@ -62,7 +62,8 @@ def save(trainer, root: str, iteration: int, record: RunRecord | None = None) ->
 #: Flags whose change on resume changes the data order or the samples: the run then no longer
 #: follows the uninterrupted one (which a resume otherwise reproduces exactly).
 TRAJECTORY_FLAGS = ("seed", "task", "data_path", "long_prompts", "rollout_batch_size",
-                    "num_samples_per_prompt", "max_new_tokens", "temperature", "top_p")
+                    "num_samples_per_prompt", "max_new_tokens", "temperature", "top_p",
+                    "partial_rollouts", "partial_rollout_oversample", "max_staleness")
 
 
 def changed_trajectory_flags(saved: dict, flags: dict) -> list[str]:

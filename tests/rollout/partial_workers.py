@@ -18,10 +18,11 @@ def _seqs(prefixes=None):
     return out
 
 
-def continue_across_steps(ckpt: str, save: bool, halt_after: int):
+def continue_across_steps(ckpt: str, save: bool, halt_after: int, fixed_shape: bool = False):
     """The samples generated in one go, and the same samples stopped after ``halt_after`` decode
-    steps and continued by a second call (the same weights)."""
+    steps and continued by a second call (the same weights); lockstep or fixed-shape decoding."""
     sampler = _sampler(_model(ckpt, save), kv_cache=True, eos_id=EOS)
+    sampler.fixed_shape = fixed_shape
     kw = dict(temperature=1.0, top_p=1.0, max_new_tokens=MAX_NEW)
     whole = sampler.continue_sequences(_seqs(), **kw)
     calls = [0]

@@ -20,7 +20,6 @@ KEYS = ("partial/carried", "partial/dropped_stale", "partial/policy_lag_mean", "
 @pytest.mark.parametrize("argv, world, message", [
     (["--rollout-engine", "vllm"], 2, "needs the built-in sampler"),
     (["--no-rollout-kv-cache"], 2, "needs the KV-cached sampler"),
-    (["--inference-fixed-shape-decode"], 2, "does not support --inference-fixed-shape-decode"),
     (["--sequence-parallel"], 2, "does not support --sequence-parallel"),
     (["--tensor-model-parallel-size", "1", "--rollout-batch-size", "16"], 2, "needs data-parallel size 1"),
     (["--task", "search", "--load-hf", "/tmp", "--data-path", "/tmp", "--retriever", "http://x"], 2,

@@ -235,19 +235,27 @@ class Trainer:
         pending = flight.pending(prompt_of)
         self.rollout_tokens, forwards = 0, 0
         if pending and flight.completed() < self.cfg.rollout_batch_size:
-            turns = self.sampler.continue_sequences(
-                pending, temperature=self.cfg.temperature, top_p=self.cfg.top_p,
-                max_new_tokens=self.cfg.max_new_tokens, stop=self.task.stop_strings or None,
-                enough=flight.enough(pending))
-            self.rollout_tokens = flight.record(pending, [t.token_ids for t in turns],
-                                                [t.logprobs for t in turns],
-                                                [t.finish_reason for t in turns], version)
-            forwards = self.sampler.forwards()  # a machine-independent measure of the rollout's cost
+            self.rollout_tokens, forwards = self._continue_in_flight(pending, version)
         groups = flight.take()
         lag_mean, lag_max = lag_stats(groups, version)
         self.partial_stats = {"partial/carried": float(flight.carried()), "partial/dropped_stale": float(dropped),
                               "partial/policy_lag_mean": lag_mean, "partial/policy_lag_max": float(lag_max),
                               "partial/forwards": float(forwards)}
+        return self._trained_groups(groups, prompt_of)
+
+    def _continue_in_flight(self, pending: list, version: int) -> tuple[int, int]:
+        """Continue the pending samples until enough groups are complete; (tokens sampled,
+        forwards: a machine-independent measure of the rollout's cost)."""
+        turns = self.sampler.continue_sequences(
+            pending, temperature=self.cfg.temperature, top_p=self.cfg.top_p,
+            max_new_tokens=self.cfg.max_new_tokens, stop=self.task.stop_strings or None,
+            enough=self.in_flight.enough(pending))
+        sampled = self.in_flight.record(pending, [t.token_ids for t in turns], [t.logprobs for t in turns],
+                                        [t.finish_reason for t in turns], version)
+        return sampled, self.sampler.forwards()
+
+    def _trained_groups(self, groups: list, prompt_of):
+        """The complete groups as :meth:`sample` returns a rollout: (batch, rows, texts)."""
         rows = [self.data.row_at(g.pos) for g in groups]
         self.prompt_texts = [self.task.prompt(r, self.tokenizer) for r in rows]
         samples = [s for g in groups for s in g.samples]

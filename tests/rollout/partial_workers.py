@@ -20,8 +20,15 @@ def _seqs(prefixes=None):
 
 def continue_across_steps(ckpt: str, save: bool, halt_after: int, fixed_shape: bool = False):
     """The samples generated in one go, and the same samples stopped after ``halt_after`` decode
-    steps and continued by a second call (the same weights); lockstep or fixed-shape decoding."""
-    sampler = _sampler(_model(ckpt, save), kv_cache=True, eos_id=EOS)
+    steps and continued by a second call (the same weights): through the lockstep cache and, with
+    ``fixed_shape``, the fixed-shape decode step too (one spawn for both)."""
+    model = _model(ckpt, save)
+    modes = (False, True) if fixed_shape else (False,)
+    return {("fixed_shape" if m else "lockstep"): _continued(model, halt_after, m) for m in modes}
+
+
+def _continued(model, halt_after: int, fixed_shape: bool) -> dict:
+    sampler = _sampler(model, kv_cache=True, eos_id=EOS)
     sampler.fixed_shape = fixed_shape
     kw = dict(temperature=1.0, top_p=1.0, max_new_tokens=MAX_NEW)
     whole = sampler.continue_sequences(_seqs(), **kw)

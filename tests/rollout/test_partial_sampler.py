@@ -1,6 +1,6 @@
 """Partial rollouts through the KV-cached sampler: a sequence stopped after some decode steps
 and continued (re-prefilled with its prefix) in a second call under the same weights samples
-the same tokens, with the same log-probs, as one uninterrupted generation; at TP=1 and TP=2, and
+the same tokens, with the same log-probs, as one uninterrupted generation; at TP=1, TP=2 and PP=2, and
 through the fixed-shape decode step."""
 
 import pytest
@@ -13,14 +13,15 @@ from emapg_megatron.multiprocess import run_distributed
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     ckpt = str(tmp_path_factory.mktemp("partial") / "weights")
-    return {"tp1": run_distributed(continue_across_steps, 1, args=(ckpt, True, 4)),
+    return {"tp1": run_distributed(continue_across_steps, 1, args=(ckpt, True, 4, True)),
             "tp2": run_distributed(continue_across_steps, 2, tp=2, args=(ckpt, False, 6)),
-            "tp1_fixed_shape": run_distributed(continue_across_steps, 1, args=(ckpt, False, 5, True))}
+            "pp2": run_distributed(continue_across_steps, 2, pp=2, args=(ckpt, False, 3))}
 
 
-@pytest.mark.parametrize("layout", ["tp1", "tp2", "tp1_fixed_shape"])
-def test_a_continued_sequence_equals_the_one_generated_in_one_step(runs, layout):
-    for rank in runs[layout]:
+@pytest.mark.parametrize("layout, mode", [("tp1", "lockstep"), ("tp2", "lockstep"), ("pp2", "lockstep"),
+                                          ("tp1", "fixed_shape")])
+def test_a_continued_sequence_equals_the_one_generated_in_one_step(runs, layout, mode):
+    for rank in (r[mode] for r in runs[layout]):
         assert rank["carried"] > 0 and min(rank["first_lengths"]) < 6  # some were cut and continued
         for (tok_a, lp_a, why_a), (tok_b, lp_b, why_b) in zip(rank["whole"], rank["joined"]):
             assert tok_a == tok_b and why_a == why_b and why_a

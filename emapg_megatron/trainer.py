@@ -20,6 +20,7 @@ from emapg_megatron.algo.advantages import compute_advantages
 from emapg_megatron.algo.config import LossConfig, StepConfig
 from emapg_megatron.algo.policy_loss import normaliser, policy_loss_terms
 from emapg_megatron.checkpoint import training as checkpointing
+from emapg_megatron.errors import ConfigError
 from emapg_megatron.kl import sequence_kl_penalized_reward
 from emapg_megatron.kl.config import KLConfig
 from emapg_megatron.models.gpt import unwrap
@@ -182,7 +183,10 @@ class Trainer:
         """The saved pool; a checkpoint of a run without partial rollouts has none: start at the
         data position that run's next step would take (step i takes rows i*B .. i*B+B-1)."""
         if "in_flight" in common:
-            self.in_flight.load_state_dict(common["in_flight"])
+            try:
+                self.in_flight.load_state_dict(common["in_flight"])
+            except (KeyError, TypeError, ValueError, AttributeError) as e:  # a damaged file: one line
+                raise ConfigError(f"corrupt checkpoint: its partial-rollout pool cannot be read ({e!r})") from None
             return
         next_step = int(common.get("iteration", 0)) + 1
         self.in_flight.load_state_dict({"cursor": next_step * self.cfg.rollout_batch_size, "groups": []})

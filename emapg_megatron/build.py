@@ -318,8 +318,23 @@ def build_rollout_engine(cfg: RunConfig, chunks, model_cfg: ModelConfig, tokeniz
                            seed=cfg.loop.seed, tokenizer=tokenizer, kv_cache=cfg.sampler.kv_cache,
                            max_requests=cfg.sampler.max_requests,
                            max_forward_tokens=cfg.sampler.forward_token_limit,
-                           fixed_shape=cfg.sampler.fixed_shape, cuda_graphs=cfg.sampler.cuda_graphs,
+                           fixed_shape=fixed_shape_decode(cfg), cuda_graphs=cuda_graphs(cfg),
                            continuous_batching=cfg.sampler.continuous_batching)
+
+
+def fixed_shape_decode(cfg: RunConfig) -> bool:
+    """--inference-fixed-shape-decode as given, else on exactly with --partial-rollouts: its slots
+    prefill a carried sequence in one forward, where the lockstep context re-feeds it a token per
+    forward (docs/partial_rollouts.md)."""
+    given = cfg.sampler.fixed_shape
+    return cfg.step.partial_rollouts if given is None else given
+
+
+def cuda_graphs(cfg: RunConfig) -> bool | None:
+    """--inference-cuda-graphs as given; when the fixed-shape step is on only by
+    --partial-rollouts' default, off unless given (the graphs have not yet run on a GPU)."""
+    given = cfg.sampler.cuda_graphs
+    return False if given is None and cfg.sampler.fixed_shape is None else given
 
 
 def lr_scheduler(optimizer, optim: OptimConfig, train_iters: int,

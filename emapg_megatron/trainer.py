@@ -179,6 +179,13 @@ class Trainer:
         if self.in_flight is not None:
             self.load_in_flight(loaded["common"])
 
+    def resumed_extra(self) -> str:
+        """What a resume brought back besides weights and optimizer (for its log line)."""
+        if self.in_flight is None:
+            return ""
+        return (f", with {len(self.in_flight.groups)} prompt groups in flight "
+                f"({self.in_flight.carried()} sequences holding tokens)")
+
     def load_in_flight(self, common: dict) -> None:
         """The saved pool; a checkpoint of a run without partial rollouts has none: start at the
         data position that run's next step would take (step i takes rows i*B .. i*B+B-1)."""

@@ -40,11 +40,13 @@ class SamplerConfig:
     fixed_shape: bool | None = option(None, flag="--inference-fixed-shape-decode", negatable=True)
     """Built-in sampler with the KV cache: decode with a fixed-shape step (a static cache of
     --inference-max-requests slots x --seq-length per layer, each slot at its own length, attention
-    over the whole cache under a length mask, sampling on the device) instead of Megatron-Core's
-    static context; the same samples. Off unless given: it has not yet run on a GPU."""
+    under a length mask, every waiting prefill in one forward, sampling on the device) instead of
+    Megatron-Core's static context; the same samples. Default: on with --partial-rollouts (it
+    prefills a carried sequence in one forward), else off (it has not yet run on a GPU)."""
     cuda_graphs: bool | None = option(None, flag="--inference-cuda-graphs", negatable=True)
     """With the fixed-shape decode step on a GPU at pipeline size 1: capture the step once per
-    batch-size bucket as a CUDA graph and replay it (prefills stay eager). Default: on there."""
+    batch-size bucket as a CUDA graph and replay it (prefills stay eager). Default: on there when
+    --inference-fixed-shape-decode is given, off when only --partial-rollouts turned the step on."""
     continuous_batching: bool = option(True, flag="--inference-continuous-batching", negatable=True)
     """With the fixed-shape decode step: a slot whose sequence finishes takes the next waiting
     sequence at once (continuous batching); --no-inference-continuous-batching refills the slots

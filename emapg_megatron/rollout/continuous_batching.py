@@ -32,11 +32,12 @@ SCHEDULES = ("continuous", "waves")
 
 @dataclass
 class ScheduleStats:
-    """Decode forwards (fixed-shape steps), prefill forwards (one per fed history) and live
-    slots summed over the decode steps, over one or more runs."""
+    """Decode forwards (fixed-shape steps), prefill forwards (each feeds every history waiting),
+    histories prefilled, and live slots summed over the decode steps, over one or more runs."""
 
     decode_forwards: int = 0
     prefill_forwards: int = 0
+    prefilled: int = 0
     live_slot_steps: int = 0
 
     @property
@@ -99,10 +100,13 @@ class SlotScheduler:
         """Feed each ``(slot, start)``'s history from ``start`` and record the token sampled
         after it; feeding again where that brings new history (until none does)."""
         while pending:
-            got = [self.decoder.extend(i, self.slots[i].known[start:], start, next_uniform(self.slots[i]))
-                   for i, start in pending]
-            self.stats.prefill_forwards += len(pending)
-            pending = self._settle([i for i, _ in pending], *map(list, zip(*got)))
+            rows = [i for i, _ in pending]
+            ids, lps = self.decoder.extend(rows, [self.slots[i].known[start:] for i, start in pending],
+                                           [start for _, start in pending],
+                                           [next_uniform(self.slots[i]) for i in rows])
+            self.stats.prefill_forwards += 1
+            self.stats.prefilled += len(rows)
+            pending = self._settle(rows, ids, lps)
 
     def _settle(self, rows: list[int], ids: list[int], lps: list[float]) -> list[tuple[int, int]]:
         """Record one sampled token per row, all in one ``advance`` call (one environment

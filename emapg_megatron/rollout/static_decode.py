@@ -17,8 +17,9 @@ ours, so the local and the Transformer Engine specs run alike (under TE the norm
 the linear layers and ``input_layernorm`` is the identity). Pipeline stages pass hidden states
 with Megatron's inference send/recv; the sampled tokens go from the last stage to every stage.
 
-A slot's history (prompt, later an observation of a multi-turn episode) is fed eagerly, one slot
-per forward (:meth:`StaticDecoder.extend`), at any offset in its own cache row, with a causal
+A slot's history (prompt, later an observation of a multi-turn episode, or a partial rollout's
+carried sequence) is fed eagerly, every slot that waits for one in the same forward
+(:meth:`StaticDecoder.extend`, right-padded), at any offset in its own cache row, with a causal
 mask: this is the prefill of continuous batching (:mod:`.continuous_batching`), and it stays
 outside the graphs.
 """
@@ -81,15 +82,20 @@ class StaticKVCache:
     def bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
 
-    def store(self, layer: int, rows: slice, positions: torch.Tensor, key, value):
+    def store(self, layer: int, rows, positions: torch.Tensor, key, value, span: int):
         """Write ``[s, b, groups, dim]`` keys/values at each row's positions; returns the rows'
-        whole caches as SDPA takes them, ``[b, groups, max_len, dim]``."""
-        index = torch.arange(positions.shape[0], device=positions.device).unsqueeze(1)
+        first ``span`` cache positions as SDPA takes them, ``[b, groups, span, dim]``. ``rows``: a
+        slice (a decode step's bucket, a view) or a tensor of slots (a batched prefill, a gather)."""
         out = []
         for cache, new in ((self.keys[layer], key), (self.values[layer], value)):
-            view = cache[rows]
-            view[index, positions] = new.transpose(0, 1)
-            out.append(view.transpose(1, 2))
+            if isinstance(rows, slice):
+                view = cache[rows]
+                index = torch.arange(positions.shape[0], device=positions.device).unsqueeze(1)
+                view[index, positions] = new.transpose(0, 1)
+            else:
+                cache[rows.unsqueeze(1), positions] = new.transpose(0, 1)
+                view = cache[rows]
+            out.append(view[:, :span].transpose(1, 2))
         return out
 
 
@@ -110,6 +116,10 @@ class StaticDecoder:
         self.slots, self.max_len, self.vocab_size = slots, max_len, vocab_size
         self.temperature, self.top_p = temperature, top_p
         self.buckets = bucket_sizes(slots)
+        # Eager steps attend over the cache up to the longest live sequence, rounded up to one of
+        # these spans (attention over the whole cache would dominate a long budget's early
+        # steps); a CUDA graph attends over the whole cache, one shape per batch bucket.
+        self.spans = bucket_sizes(max_len)
         device = runtime.device()
         groups = (self.cfg.num_query_groups or self.cfg.num_attention_heads) // \
             ps.get_tensor_model_parallel_world_size()
@@ -126,11 +136,11 @@ class StaticDecoder:
         self.graphs = DecodeGraphs(self._decode_step, self.buckets) if cuda_graphs else None
 
     # --- the forward -----------------------------------------------------------------------
-    def _attention(self, index: int, attn, x, rows: slice, positions, rope, mask):
+    def _attention(self, index: int, attn, x, rows, positions, rope, mask):
         query, key, value = attn.get_query_key_value_tensors(x)  # [s, b, heads, dim]; q/k norms
         query = apply_rotary_pos_emb(query, rope, config=self.cfg)
         key = apply_rotary_pos_emb(key, rope, config=self.cfg)
-        keys, values = self.cache.store(index, rows, positions, key, value)
+        keys, values = self.cache.store(index, rows, positions, key, value, mask.shape[-1])
         ctx = F.scaled_dot_product_attention(query.permute(1, 2, 0, 3), keys, values, attn_mask=mask,
                                              scale=self.scale, enable_gqa=True)  # [b, heads, s, dim]
         s, b = x.shape[:2]
@@ -145,9 +155,11 @@ class StaticDecoder:
         out = layer.mlp(layer.pre_mlp_layernorm(h))
         return layer.mlp_bda(False, fused)(out, h, layer.hidden_dropout)
 
-    def _stage(self, tokens: torch.Tensor, rows: slice, positions: torch.Tensor):
+    def _stage(self, tokens: torch.Tensor, rows, positions: torch.Tensor, span: int,
+               last: torch.Tensor | None = None):
         """This stage's part of a forward of ``[b, s]`` tokens at ``[b, s]`` positions into cache
-        rows ``rows``: the last position's logits over the real vocabulary on the last stage
+        rows ``rows``, attending over the first ``span`` cache positions: the logits of each row's
+        position ``last`` (default: the last one) over the real vocabulary on the last stage
         (TP-gathered), None elsewhere."""
         if self.gpt.pre_process:
             h = self.gpt.embedding(input_ids=tokens, position_ids=None)
@@ -155,13 +167,14 @@ class StaticDecoder:
             h = torch.empty(*positions.t().shape, self.cfg.hidden_size, dtype=self.cfg.params_dtype,
                             device=positions.device)
             recv_from_prev_pipeline_rank_(h)
-        rope, mask = rope_at(self.rope, positions), length_mask(positions, self.max_len)
+        rope, mask = rope_at(self.rope, positions), length_mask(positions, span)
         for index, layer in enumerate(self.layers):
             h = self._layer(index, layer, h, rows, positions, rope, mask)
         if not self.gpt.post_process:
             send_to_next_pipeline_rank(h)
             return None
-        h = h[-1:]  # the norm and the head act per position: only the last is needed
+        # the norm and the head act per position: only each row's last is needed
+        h = h[-1:] if last is None else h[last, torch.arange(h.shape[1], device=h.device)].unsqueeze(0)
         if self.gpt.decoder.final_layernorm is not None:
             h = self.gpt.decoder.final_layernorm(h)
         weight = self.gpt.shared_embedding_or_output_weight() if self.gpt.share_embeddings_and_output_weights \
@@ -182,31 +195,52 @@ class StaticDecoder:
                                         group=ps.get_pipeline_model_parallel_group())
         return both
 
-    def _decode_step(self, n: int) -> None:
-        """Slots ``0..n-1`` each feed their token at their own length and sample the next: fixed
-        shapes, device tensors only (what a CUDA graph captures). Empty slots compute too; their
-        length does not move (their position is clamped into the cache) and nothing reads them."""
+    def _decode_step(self, n: int, span: int | None = None) -> None:
+        """Slots ``0..n-1`` each feed their token at their own length and sample the next,
+        attending over the first ``span`` positions (default: the whole cache): fixed shapes,
+        device tensors only (what a CUDA graph captures). Empty slots compute too; their length
+        does not move (their position is clamped into the cache) and nothing reads them."""
         positions = self.lengths[:n].clamp_max(self.max_len - 1).unsqueeze(1)
-        both = self._sample(self._stage(self.tokens[:n].unsqueeze(1), slice(0, n), positions),
-                            self.uniforms[:n])
+        both = self._sample(self._stage(self.tokens[:n].unsqueeze(1), slice(0, n), positions,
+                                        span or self.max_len), self.uniforms[:n])
         self.tokens[:n].copy_(both[0].long())
         self.lengths[:n] += self.live[:n]
         self.out[:, :n].copy_(both)
 
     # --- the host side ---------------------------------------------------------------------
-    def extend(self, slot: int, tokens: list[int], start: int, uniform: float) -> tuple[int, float]:
-        """Feed ``tokens`` into ``slot`` at positions ``start..`` (its cache before ``start`` is
-        kept), occupy the slot, and sample the token after them."""
+    def extend(self, slots: list[int], histories: list[list[int]], starts: list[int],
+               uniforms: list[float]) -> tuple[list[int], list[float]]:
+        """Feed each ``histories[i]`` into ``slots[i]`` at positions ``starts[i]..`` (the slot's
+        cache before that is kept), occupy the slots, and sample the token after each: one
+        forward, right-padded to the longest history. A pad query writes keys past its row's
+        length, which the length mask hides and the next decode step overwrites; rows whose pad
+        would run off the cache are fed on their own."""
+        width = max(len(h) for h in histories)
+        fits = [i for i, (h, st) in enumerate(zip(histories, starts)) if st + width <= self.max_len]
+        if len(fits) < len(slots):
+            alone = [i for i in range(len(slots)) if i not in set(fits)]
+            groups = ([fits] if fits else []) + [[i] for i in alone]
+            got = {}
+            for g in groups:
+                ids, lps = self.extend(*([seq[i] for i in g] for seq in (slots, histories, starts, uniforms)))
+                got.update(zip(g, zip(ids, lps)))
+            return [got[i][0] for i in range(len(slots))], [got[i][1] for i in range(len(slots))]
         device = self.tokens.device
-        positions = torch.arange(start, start + len(tokens), device=device).unsqueeze(0)
-        logits = self._stage(torch.tensor([tokens], device=device), slice(slot, slot + 1), positions)
-        both = self._sample(logits, torch.tensor([uniform], device=device))
-        self.tokens[slot] = both[0, 0].long()
-        self.lengths[slot] = start + len(tokens)
-        self.live[slot] = 1
-        self.fed[slot] = start + len(tokens)
+        tokens = torch.tensor([h + [0] * (width - len(h)) for h in histories], device=device)
+        positions = torch.tensor(starts, device=device).unsqueeze(1) + torch.arange(width, device=device)
+        lengths = torch.tensor([len(h) for h in histories], device=device)
+        index = torch.tensor(slots, device=device)
+        span = bucket_for(max(st + len(h) for h, st in zip(histories, starts)) - 1, self.spans)
+        logits = self._stage(tokens, index, positions, span, last=lengths - 1)
+        both = self._sample(logits, torch.tensor(uniforms, device=device))
+        ends = torch.tensor(starts, device=device) + lengths
+        self.tokens[index] = both[0].long()
+        self.lengths[index] = ends
+        self.live[index] = 1
+        for slot, end in zip(slots, ends.tolist()):
+            self.fed[slot] = end
         ids, lps = both.cpu()
-        return int(ids[0]), float(lps[0])
+        return ids.long().tolist(), lps.float().tolist()
 
     def free(self, slot: int) -> None:
         self.live[slot] = 0
@@ -220,7 +254,7 @@ class StaticDecoder:
         if self.graphs is not None:
             self.graphs.replay(n)
         else:
-            self._decode_step(n)
+            self._decode_step(n, bucket_for(max(self.fed[slot] for slot in live), self.spans))
         for slot in live:
             self.fed[slot] += 1
         out = self.out[:, :n].cpu()  # the one device-to-host copy of a step, after it

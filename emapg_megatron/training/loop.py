@@ -80,7 +80,7 @@ def resume(root: str, trainer, flags: dict | None = None) -> int:
     trainer.prepare_to_load(checkpointing.iteration_dir(root, iteration))
     loaded = checkpointing.load(root, trainer.sharded_state_dict(is_loading=True), iteration)
     trainer.load_state_dict(loaded)
-    log0(f"resumed from {root} at step {iteration}")
+    log0(f"resumed from {root} at step {iteration}{trainer.resumed_extra()}")
     saved = json.loads(loaded["common"].get("args", "{}"))
     if changed := changed_trajectory_flags(saved, flags or {}):
         log0(f"warning: resumed with other settings than the checkpoint's ({'; '.join(changed)}): "

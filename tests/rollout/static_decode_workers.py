@@ -27,6 +27,7 @@ def _fixed(model, schedule: str, slots=None, eos=True):
 def _counted(sampler, out: dict) -> dict:
     stats = sampler.schedule_stats
     return {**out, "decode_forwards": stats.decode_forwards, "prefill_forwards": stats.prefill_forwards,
+            "prefilled": stats.prefilled,
             "metrics": sampler.metrics()}
 
 
@@ -83,7 +84,7 @@ def graphs_against_eager():
         for graphs in (False, True):
             dec = StaticDecoder(model, 4, TINY["max_position_embeddings"], TINY["vocab_size"], 1.0, 1.0,
                                 cuda_graphs=graphs)
-            first = [dec.extend(s, PROMPTS[s], 0, 0.3 + 0.1 * s) for s in range(3)]
+            first = dec.extend([0, 1, 2], [PROMPTS[s] for s in range(3)], [0] * 3, [0.3 + 0.1 * s for s in range(3)])
             steps = [dec.step([0, 1, 2], [((7 * t + s) % 10) / 10 + 0.05 for s in range(3)]) for t in range(12)]
             out["graphs" if graphs else "eager"] = {"first": first, "steps": steps}
             if graphs:

@@ -59,11 +59,13 @@ def test_fixed_shape_samples_do_not_depend_on_the_layout(layouts, layout):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_continuous_batching_needs_fewer_decode_forwards_than_waves(layouts, layout):
     """8 sequences over ``WAVE`` slots: a freed slot takes the next prefill at once, so the
-    steps are fewer and fuller than in waves; one prefill per sequence either way."""
+    steps are fewer and fuller than in waves; each sequence prefilled once either way, every
+    history waiting fed in one forward (a wave's in one)."""
     for rank in layouts[layout]:
         cont, waves = rank["continuous"], rank["waves"]
         assert cont["decode_forwards"] < waves["decode_forwards"]
-        assert cont["prefill_forwards"] == waves["prefill_forwards"] == len(cont["responses"])
+        assert cont["prefilled"] == waves["prefilled"] == len(cont["responses"])
+        assert waves["prefill_forwards"] < cont["prefill_forwards"] < cont["prefilled"]
         live = cont["metrics"]["rollout_mean_live_slots"]
         assert waves["metrics"]["rollout_mean_live_slots"] < live <= WAVE
         assert cont["metrics"]["rollout_decode_forwards"] == cont["decode_forwards"]
@@ -102,11 +104,13 @@ class FakeDecoder:
     """Slots without a model: every token sampled is 1; records the slots of each step."""
 
     def __init__(self, slots):
-        self.slots, self.fed, self.steps = slots, [0] * slots, []
+        self.slots, self.fed, self.steps, self.prefills = slots, [0] * slots, [], []
 
-    def extend(self, slot, tokens, start, uniform):
-        self.fed[slot] = start + len(tokens)
-        return 1, 0.0
+    def extend(self, slots, histories, starts, uniforms):
+        self.prefills.append(list(slots))
+        for slot, tokens, start in zip(slots, histories, starts):
+            self.fed[slot] = start + len(tokens)
+        return [1] * len(slots), [0.0] * len(slots)
 
     def step(self, live, uniforms):
         self.steps.append(list(live))
@@ -130,15 +134,16 @@ def _run(schedule, budgets, slots):
     decoder, stats = FakeDecoder(slots), ScheduleStats()
     SlotScheduler(decoder, advance, schedule, stats).run(streams)
     assert [len(s.turn.token_ids) for s in streams] == budgets
-    return decoder.steps, stats
+    return decoder.steps, stats, decoder.prefills
 
 
 def test_a_freed_slot_takes_the_next_sequence_at_once():
     """Budgets 4, 1, 1, 1, 1 over two slots: the long sequence keeps slot 0 while slot 1 takes
     each short one at its prefill (a one-token budget finishes there), so the long one decodes
     alone."""
-    steps, stats = _run("continuous", [4, 1, 1, 1, 1], 2)
-    assert steps == [[0]] * 3 and stats.prefill_forwards == 5
+    steps, stats, prefills = _run("continuous", [4, 1, 1, 1, 1], 2)
+    assert steps == [[0]] * 3 and stats.prefilled == 5
+    assert prefills == [[0, 1], [1], [1], [1]] and stats.prefill_forwards == 4  # both slots at once
     # slot 1 is refilled after step 1, slot 0 after step 2: the last sequence decodes alone
     assert _run("continuous", [3, 2, 2, 2], 2)[0] == [[0, 1], [0, 1], [0]]
     # waves: slot 1 idles while the first wave's long sequence finishes

@@ -2,6 +2,8 @@
 unfinished sequences between steps, logs its counts, and a resume from a checkpoint taken while
 sequences are in flight continues exactly as the uninterrupted run."""
 
+import re
+import shutil
 import sys
 
 import pytest
@@ -31,21 +33,73 @@ def test_what_partial_rollouts_do_not_support_is_one_line(argv, world, message):
     assert r.stderr.count("\n") == 1
 
 
-@pytest.mark.slow
-def test_in_flight_sequences_survive_a_resume_exactly(tmp_path):
-    ckpt = tmp_path / "ckpt"
-    r = torchrun(1, ["--train-iters", "3", *PARTIAL], tmp_path / "full")
+TP2 = ("2", ["--tensor-model-parallel-size", "2"])
+PP2 = ("2", ["--pipeline-model-parallel-size", "2"])
+
+
+def _back_to_step_2(ckpt) -> None:
+    """The checkpoint as a run stopped after its step-2 save left it (the later save removed)."""
+    shutil.rmtree(ckpt / "iter_0000003")
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("2")
+
+
+def _resumed_pool(stdout: str) -> tuple[int, int]:
+    """(groups, sequences holding tokens) from the resume's log line."""
+    found = re.search(r"resumed from .* at step 2, with (\d+) prompt groups in flight \((\d+) "
+                      r"sequences holding tokens\)", stdout)
+    assert found, stdout
+    return int(found[1]), int(found[2])
+
+
+@pytest.fixture(scope="module")
+def saved_tp2(tmp_path_factory):
+    """A TP=2 run of 3 steps saving at steps 2 and 3, rewound to its step-2 checkpoint."""
+    tmp = tmp_path_factory.mktemp("partial_tp2")
+    return tmp, _uninterrupted(tmp, *TP2)
+
+
+def _uninterrupted(tmp, nproc, layout):
+    ckpt = tmp / "ckpt"
+    r = torchrun(int(nproc), ["--train-iters", "3", "--save", str(ckpt), "--save-interval", "2",
+                              *layout, *PARTIAL], tmp / "full")
     assert r.returncode == 0, r.stdout + r.stderr
-    full = metrics(tmp_path / "full")
+    _back_to_step_2(ckpt)
+    full = metrics(tmp / "full")
     assert full[1]["partial/carried"] > 0  # the checkpoint of step 2 holds sequences in flight
     assert sum(m["partial/dropped_stale"] for m in full[2:]) > 0
     assert max(m["partial/policy_lag_max"] for m in full) == 1  # --max-staleness 1
-    r = torchrun(1, ["--train-iters", "2", "--save", str(ckpt), *PARTIAL], tmp_path / "a")
+    return ckpt, full
+
+
+def _resume(tmp, ckpt, nproc, layout, full):
+    r = torchrun(int(nproc), ["--train-iters", "3", "--load", str(ckpt), *layout, *PARTIAL], tmp / "b")
     assert r.returncode == 0, r.stdout + r.stderr
-    r = torchrun(1, ["--train-iters", "3", "--load", str(ckpt), *PARTIAL], tmp_path / "b")
-    assert r.returncode == 0, r.stdout + r.stderr
-    resumed = metrics(tmp_path / "b")
+    groups, holding = _resumed_pool(r.stdout + r.stderr)
+    assert holding == full[1]["partial/carried"] and groups > 0  # every sequence in flight came back
+    return metrics(tmp / "b")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_in_flight_sequences_survive_a_resume_exactly(saved_tp2, tmp_path, layout):
+    """Stopped after the step-2 save and resumed at the same layout: step 3 is the uninterrupted
+    run's, bit for bit (weights, data position, the pool)."""
+    if layout == "tp2":
+        (tmp, (ckpt, full)), (nproc, argv) = saved_tp2, TP2
+    else:
+        (tmp, (nproc, argv)) = tmp_path, PP2
+        ckpt, full = _uninterrupted(tmp, nproc, argv)
+    resumed = _resume(tmp, ckpt, nproc, argv, full)
     assert [m["step"] for m in resumed] == [3]
-    for got, want in zip(resumed, full[2:]):
-        for k in (*COMPARED, *KEYS, "response_len"):
-            assert got[k] == want[k], (k, got["step"])  # bit for bit: weights, data, the pool
+    for k in (*COMPARED, *KEYS, "response_len"):
+        assert resumed[0][k] == full[2][k], k
+
+
+@pytest.mark.slow
+def test_a_resume_at_another_layout_keeps_every_sequence_in_flight(saved_tp2, tmp_path):
+    """The TP=2 checkpoint resumed on one process: the pool comes back whole (the log line's
+    counts are the saved run's) and the run trains on; the numbers differ only by rounding."""
+    (_, (ckpt, full)) = saved_tp2
+    resumed = _resume(tmp_path, ckpt, "1", [], full)
+    assert [m["step"] for m in resumed] == [3]
+    assert resumed[0]["reward_mean"] == pytest.approx(full[2]["reward_mean"], abs=0.3)

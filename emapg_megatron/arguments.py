@@ -232,8 +232,9 @@ def partial_rollouts_refusal(cfg: RunConfig, world_size: int) -> str | None:
         (not sampler.kv_cache, "needs the KV-cached sampler (drop --no-rollout-kv-cache)"),
         (cfg.parallel.sequence_parallel, "does not support --sequence-parallel (no KV-cached sampling "
                                          "under it)"),
-        (dp > 1, f"needs data-parallel size 1 for now (got {dp}): the in-flight groups live on the "
-                 "rank that sampled them"),
+        (dp > 1 and sampler.fixed_shape is False,
+         f"at data-parallel size {dp} needs the fixed-shape decode step (drop "
+         "--no-inference-fixed-shape-decode): only its ranks can agree after each step when to stop"),
         (cfg.task.name == "search", "does not support multi-turn tasks (--task search): an "
                                     "episode's environment state cannot be carried between steps"),
     )

@@ -31,7 +31,13 @@ from emapg_megatron.rollout.partial import InFlight, lag_stats
 from emapg_megatron.tasks.base import encode_text
 from emapg_megatron.tasks.passk import default_ks, pass_at_k
 from emapg_megatron.training import packing, sequence_balance
-from emapg_megatron.training.collectives import gather_at, gather_cat, reduce_sum
+from emapg_megatron.training.collectives import (
+    flags_and_any,
+    gather_at,
+    gather_cat,
+    gather_lists,
+    reduce_sum,
+)
 from emapg_megatron.training.microbatches import layout_of, microbatching
 from emapg_megatron.training.model_and_optimizer import zero_grads
 from emapg_megatron.training.optimizer_step import check_weights, step_if_finite
@@ -158,7 +164,7 @@ class Trainer:
 
     def common_state_dict(self) -> dict:
         """The replicated state: LR schedule, the skipped-step count and, with --partial-rollouts,
-        the groups in flight and the data position (alike on every rank: DP is 1)."""
+        the groups in flight and the data position (the same on every rank)."""
         flight = {"in_flight": self.in_flight.state_dict()} if self.in_flight is not None else {}
         return {"scheduler": self.scheduler.state_dict(), "skipped_steps": self.skipped_steps, **flight}
 
@@ -232,8 +238,10 @@ class Trainer:
         return self.sample(local_rows, mine, self.cfg.num_samples, iteration, self.prompt_texts)
 
     def partial_rollout(self, iteration: int):
-        """--partial-rollouts (DP=1): continue the groups in flight and start fresh ones until
-        --rollout-batch-size groups are complete; train on those (rollout/partial.py)."""
+        """--partial-rollouts: continue the groups in flight and start fresh ones until
+        --rollout-batch-size groups are complete; train on those (rollout/partial.py). The pool
+        is the same on every rank: each DP rank continues its share of it, the ranks agree after
+        each decode step whether to stop, and the results are gathered into every copy."""
         flight, version = self.in_flight, iteration - 1  # the policy sampling now: after iteration-1 steps
         dropped = flight.begin_step(iteration)
         prompts: dict[int, list[int]] = {}
@@ -252,17 +260,23 @@ class Trainer:
         self.partial_stats = {"partial/carried": float(flight.carried()), "partial/dropped_stale": float(dropped),
                               "partial/policy_lag_mean": lag_mean, "partial/policy_lag_max": float(lag_max),
                               "partial/forwards": float(forwards)}
-        return self._trained_groups(groups, prompt_of)
+        return self._trained_groups([groups[i] for i in self.local_prompt_indices()], prompt_of)
 
     def _continue_in_flight(self, pending: list, version: int) -> tuple[int, int]:
-        """Continue the pending samples until enough groups are complete; (tokens sampled,
-        forwards: a machine-independent measure of the rollout's cost)."""
+        """Continue the pending samples (this DP rank's share: every dp-th) until enough groups
+        are complete; (tokens this rank sampled, its forwards: a machine-independent measure of
+        the rollout's cost)."""
+        dp, dp_rank, group = self._dp()
+        mine = list(range(dp_rank, len(pending), dp))
+        agree = None if dp == 1 else (
+            lambda flags, busy: flags_and_any(flags, mine, len(pending), busy, group))
         turns = self.sampler.continue_sequences(
-            pending, temperature=self.cfg.temperature, top_p=self.cfg.top_p,
+            [pending[i] for i in mine], temperature=self.cfg.temperature, top_p=self.cfg.top_p,
             max_new_tokens=self.cfg.max_new_tokens, stop=self.task.stop_strings or None,
-            enough=self.in_flight.enough(pending))
-        sampled = self.in_flight.record(pending, [t.token_ids for t in turns], [t.logprobs for t in turns],
-                                        [t.finish_reason for t in turns], version)
+            enough=self.in_flight.enough(pending), agree=agree)
+        sampled = sum(len(t.token_ids) - len(pending[i].tokens) for i, t in zip(mine, turns))
+        tokens, logprobs, finish = _pool_order(turns, dp, group)
+        self.in_flight.record(pending, tokens, logprobs, finish, version)
         return sampled, self.sampler.forwards()
 
     def _trained_groups(self, groups: list, prompt_of):
@@ -546,6 +560,21 @@ class Trainer:
         if "search/turns" in out:
             out["search/valid_action_rate"] = 1.0 - out.pop("search/invalid_turns") / max(out["search/turns"], 1e-9)
         return out
+
+
+def _pool_order(turns: list, dp: int, group) -> tuple[list, list, list]:
+    """Every DP rank's continued turns (rank ``r`` holds pool entries ``r, r + dp, ...``) in pool
+    order: their token ids, log-probs and finish reasons."""
+    if dp == 1:
+        return [t.token_ids for t in turns], [t.logprobs for t in turns], [t.finish_reason or "" for t in turns]
+    reasons = ("", "stop", "length")  # "": unfinished (a turn's None)
+    codes = gather_lists([[reasons.index(t.finish_reason or "") for t in turns]], group, torch.long)  # per rank
+    tokens = gather_lists([t.token_ids for t in turns], group, torch.long)
+    logprobs = gather_lists([t.logprobs for t in turns], group)
+    finish = [reasons[int(c)] for rank in codes for c in rank]
+    order = [r + j * dp for r, rank in enumerate(codes) for j in range(len(rank))]  # pool index of each
+    back = sorted(range(len(order)), key=order.__getitem__)
+    return [tokens[i] for i in back], [logprobs[i] for i in back], [finish[i] for i in back]
 
 
 def _summed(dicts: list[dict]) -> dict:

@@ -76,7 +76,8 @@ class StepConfig:
     --rollout-batch-size prompt groups in flight and stop generating as soon as
     --rollout-batch-size groups have every sample finished; the unfinished sequences keep their
     tokens, behaviour log-probs and policy versions and continue first in the next step under the
-    new weights (re-prefilled). Groups are never split. Built-in KV-cached sampler only."""
+    new weights (prefilled again in one forward by the fixed-shape decode step, which this turns on
+    by default). Groups are never split. Built-in KV-cached sampler only."""
     partial_rollout_oversample: float = option(2.0, range=at_least(1))
     """--partial-rollouts: prompt groups in flight per step, as a multiple of --rollout-batch-size
     (rounded up); the carried groups come first, then fresh prompts."""

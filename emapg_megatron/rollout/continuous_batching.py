@@ -69,10 +69,12 @@ class SlotScheduler:
         self.slots: list[Stream | None] = [None] * decoder.slots
 
     def run(self, streams: list[Stream], halted=None) -> None:
-        """``halted()`` True after a step stops the run there (partial rollouts: the sequences
-        left, live or waiting, keep what they sampled)."""
+        """Run until no stream is left, or until ``halted(busy)`` says stop; it is asked before
+        every step, ``busy`` saying whether this rank has streams left (partial rollouts: the
+        sequences left, live or waiting, keep what they sampled; across data-parallel ranks it
+        agrees, and a rank with nothing left keeps asking until every rank stops)."""
         queue = deque(streams)
-        while (queue or self._live()) and not (halted is not None and halted()):
+        while not self._stop(bool(queue or self._live()), halted):
             if self.schedule == "continuous" or not self._live():
                 self._admit(queue)
             live = self._live()
@@ -81,6 +83,10 @@ class SlotScheduler:
                 self.stats.decode_forwards += 1
                 self.stats.live_slot_steps += len(live)
                 self._feed(self._settle(live, ids, lps))
+
+    @staticmethod
+    def _stop(busy: bool, halted) -> bool:
+        return not busy if halted is None else halted(busy)
 
     def _live(self) -> list[int]:
         return [i for i, s in enumerate(self.slots) if s is not None]

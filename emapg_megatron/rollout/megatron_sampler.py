@@ -206,8 +206,8 @@ class MegatronSampler:
     def _lockstep(self, streams: list[kv.Stream], advance, temperature: float, top_p: float,
                   halted=None):
         """Run ``streams`` through the KV cache, in waves of :func:`kv.cache_rows` (see
-        :func:`kv.decode_lockstep`); returns the streams to restart. ``halted()`` True stops the
-        decoding (no later wave starts)."""
+        :func:`kv.decode_lockstep`); returns the streams to restart. ``halted(busy)`` True stops
+        the decoding (no later wave starts; :meth:`SlotScheduler.run` says what ``busy`` is)."""
 
         def sample(logits, due):
             # Host floats, one transfer per step (a device tensor per row would cost an op each).
@@ -219,12 +219,13 @@ class MegatronSampler:
             return self._slots(streams, advance, temperature, top_p, halted)
         model, restart = self.model_chunks[0], []
         size = kv.cache_rows(model, len(streams), self.seq_length, self.max_requests)
+        stop = None if halted is None else (lambda: halted(True))  # one rank: it has rows left
         for start in range(0, len(streams), size):
-            if halted is not None and halted():
+            if stop is not None and stop():
                 break
             restart += kv.decode_lockstep(model, streams[start:start + size], self.seq_length, sample,
                                           advance, rows_fed=self.rows_fed,
-                                          max_forward_tokens=self.max_forward_tokens, halted=halted)
+                                          max_forward_tokens=self.max_forward_tokens, halted=stop)
             self.cache_waves += 1
         return restart
 
@@ -288,13 +289,17 @@ class MegatronSampler:
                                    self.seq_length, self.pad_id, n)
 
     def continue_sequences(self, seqs, *, temperature: float, top_p: float, max_new_tokens: int,
-                           stop: Sequence[str] | None = None, enough=None) -> list[Turn]:
+                           stop: Sequence[str] | None = None, enough=None, agree=None) -> list[Turn]:
         """Partial rollouts: continue each of ``seqs`` (``.prompt``, the ``.tokens`` and
         ``.logprobs`` it has, ``.rng_step`` and ``.row`` keying its uniforms) up to
         ``max_new_tokens`` tokens in all, through the KV cache (a continued sequence is
         re-prefilled with its prompt and tokens). With ``enough(finished)`` (a flag per sequence)
         the decoding stops after the first step where it is True; a turn left unfinished has
         finish reason "". Each turn holds the sequence's tokens and log-probs, old and new.
+
+        Across data-parallel ranks (each continuing its share of one pool), ``agree(finished,
+        busy)`` returns the pool's flags and whether any rank has sequences left, and ``enough``
+        judges the pool's flags: every rank stops after the same step (the fixed-shape path).
 
         A sequence's token t always takes uniform t of its key, so continuing it under unchanged
         weights samples what one uninterrupted generate of it would.
@@ -307,19 +312,22 @@ class MegatronSampler:
                              Turn(list(q.tokens), list(q.logprobs), ""))
                    for i, q in enumerate(seqs)]
         self._check_room([list(q.prompt) for q in seqs], [max_new_tokens] * len(seqs))
-        finished, halt = [False] * len(streams), [False]
+        finished = [False] * len(streams)
 
         def advance(due, tokens, lps):
             ended = self._record_step(due, tokens, lps, stop)
             for s, end in zip(due, ended):
                 finished[s.key] = end
-            halt[0] = enough is not None and enough(finished)
             return [kv.DONE if end else kv.CONTINUE for end in ended]
+
+        def halted(busy: bool) -> bool:
+            flags, anyone = (finished, busy) if agree is None else agree(finished, busy)
+            return not anyone or (enough is not None and enough(flags))
 
         self.rows_fed.clear()
         self.cache_waves = 0
         live = [s for s in streams if len(s.turn.token_ids) < max_new_tokens]
-        self._lockstep(live, advance, temperature, top_p, halted=lambda: halt[0])
+        self._lockstep(live, advance, temperature, top_p, halted=halted)
         return [self._close(s.turn) for s in streams]
 
     def generate_episodes(self, prompts, n: int, envs, *, tokenizer, temperature: float, top_p: float,

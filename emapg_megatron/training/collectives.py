@@ -81,6 +81,31 @@ def gather_ragged(local: torch.Tensor, group) -> list[torch.Tensor]:
     return [row[:n] for row, n in zip(every, counts)]
 
 
+def gather_lists(lists: list[list], group, dtype=torch.float64) -> list[list]:
+    """Every rank's lists (of ``dtype`` numbers, lengths may differ), concatenated in rank order:
+    two ragged gathers, exact for ids and float32 values in float64."""
+    lengths = gather_ragged(torch.tensor([len(x) for x in lists], dtype=torch.long), group)
+    values = gather_ragged(torch.tensor([v for x in lists for v in x], dtype=dtype), group)
+    out = []
+    for lens, flat in zip(lengths, values):
+        ends = torch.tensor(lens.tolist()).cumsum(0).tolist()
+        flat = flat.tolist()
+        out += [flat[end - n:end] for n, end in zip(lens.tolist(), ends)]
+    return out
+
+
+def flags_and_any(flags: list[bool], positions: list[int], total: int, busy: bool, group) -> tuple[list[bool], bool]:
+    """The ``[total]`` flags whose entries ``positions`` each rank of ``group`` holds (disjoint),
+    and whether ``busy`` holds on any rank: one all-reduce."""
+    full = torch.zeros(total + 1, device=runtime.device())
+    full[torch.tensor(positions, dtype=torch.long, device=full.device)] = torch.tensor(
+        flags, dtype=full.dtype, device=full.device)
+    full[total] = float(busy)
+    dist.all_reduce(full, group=group)
+    both = full.tolist()
+    return [v > 0 for v in both[:total]], both[total] > 0
+
+
 def gather_at(values: torch.Tensor, positions: torch.Tensor, total: int, group) -> torch.Tensor:
     """The ``[total]`` vector whose entries ``positions`` (disjoint over ``group``, covering it)
     each rank holds as ``values``: zeros elsewhere, then a sum, which is exact."""

@@ -37,8 +37,11 @@ def run(budget: int, iters: int, nproc: int, extra: list[str], workdir: Path) ->
     rates = [m["rollout_tokens_per_s"] for m in later]
     tokens = sum(m["rollout_tokens_per_s"] * m["rollout_time_s"] for m in later)
     forwards = sum(m.get("partial/forwards", 0) for m in later)
+    trained = sum(m["tokens_per_s"] * m["step_time_s"] for m in steps[1:])  # trained tokens, steps 2+
+    every = sum(m.get("partial/forwards", 0) for m in steps[1:])
     return {"max_new_tokens": budget, "median_tokens_per_s": round(statistics.median(rates), 1),
             "tokens_per_forward": round(tokens / forwards, 1) if forwards else None,
+            "trained_tokens_per_forward": round(trained / every, 1) if every else None,
             "reward_mean": round(statistics.mean(m["reward_mean"] for m in steps), 4),
             "dropped_stale": sum(m.get("partial/dropped_stale", 0) for m in steps)}
 

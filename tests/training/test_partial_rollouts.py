@@ -84,6 +84,22 @@ def _resume(tmp, ckpt, nproc, layout, full):
     return metrics(tmp / "b")
 
 
+@pytest.mark.parametrize("argv, fixed_shape, graphs", [
+    ([], False, False),  # off by default: the lockstep sampler, as before partial rollouts
+    (["--partial-rollouts"], True, False),  # its decoder; graphs only when asked (not yet on a GPU)
+    (["--partial-rollouts", "--inference-cuda-graphs"], True, True),
+    (["--partial-rollouts", "--no-inference-fixed-shape-decode"], False, None),
+    (["--inference-fixed-shape-decode"], True, None),
+])
+def test_partial_rollouts_are_off_by_default_and_pick_the_fixed_shape_step(argv, fixed_shape, graphs):
+    from emapg_megatron.arguments import parse_args
+    from emapg_megatron.build import cuda_graphs, fixed_shape_decode
+
+    cfg = parse_args(["--preset", "tiny-cpu", *argv])
+    assert cfg.step.partial_rollouts == ("--partial-rollouts" in argv)
+    assert fixed_shape_decode(cfg) is fixed_shape and cuda_graphs(cfg) is graphs
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["tp2", "pp2"])
 def test_in_flight_sequences_survive_a_resume_exactly(saved_tp2, tmp_path, layout):

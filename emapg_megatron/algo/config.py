@@ -78,9 +78,11 @@ class StepConfig:
     tokens, behaviour log-probs and policy versions and continue first in the next step under the
     new weights (prefilled again in one forward by the fixed-shape decode step, which this turns on
     by default). Groups are never split. Built-in KV-cached sampler only."""
-    partial_rollout_oversample: float = option(2.0, range=at_least(1))
+    partial_rollout_oversample: float = option(3.0, range=at_least(1))
     """--partial-rollouts: prompt groups in flight per step, as a multiple of --rollout-batch-size
-    (rounded up); the carried groups come first, then fresh prompts."""
+    (rounded up); the carried groups come first, then fresh prompts. More keeps more rows decoding
+    (and more sequences go stale): 3 trained more tokens per forward than 2 at 32 and at 256 new
+    tokens (BENCHMARKS.md, "Partial rollouts")."""
     max_staleness: int = option(1, range=at_least(0))
     """--partial-rollouts: a carried sequence holding a token more than K policy versions older than
     the policy it would be trained at is dropped (counted in partial/dropped_stale) and restarts

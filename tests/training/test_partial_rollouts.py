@@ -39,9 +39,24 @@ PP2 = ("2", ["--pipeline-model-parallel-size", "2", "--max-staleness", "0"])  # 
 
 
 def _back_to_step_2(ckpt) -> None:
-    """The checkpoint as a run stopped after its step-2 save left it (the later save removed)."""
-    shutil.rmtree(ckpt / "iter_0000003")
+    """The checkpoint as a run stopped after its step-2 save left it (the later save moved aside,
+    to ``final``)."""
+    shutil.move(ckpt / "iter_0000003", ckpt.parent / "final")
     (ckpt / "latest_checkpointed_iteration.txt").write_text("2")
+
+
+def _tensors(step_dir) -> dict:
+    """Every tensor of a checkpoint (weights, Adam moments, EMA), read without unpickling its
+    byte items."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    meta = dcp.FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
+    out = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items()
+           if isinstance(m, TensorStorageMetadata)}
+    dcp.load(out, storage_reader=dcp.FileSystemReader(str(step_dir)), no_dist=True)
+    return out
 
 
 def _resumed_pool(stdout: str) -> tuple[int, int]:
@@ -76,8 +91,8 @@ def _uninterrupted(tmp, nproc, layout):
     return ckpt, full
 
 
-def _resume(tmp, ckpt, nproc, layout, full):
-    r = torchrun(int(nproc), ["--train-iters", "3", "--load", str(ckpt), *layout, *PARTIAL], tmp / "b")
+def _resume(tmp, ckpt, nproc, layout, full, save=()):
+    r = torchrun(int(nproc), ["--train-iters", "3", "--load", str(ckpt), *save, *layout, *PARTIAL], tmp / "b")
     assert r.returncode == 0, r.stdout + r.stderr
     groups, holding = _resumed_pool(r.stdout + r.stderr)
     assert holding == full[1]["partial/carried"] and groups > 0  # every sequence in flight came back
@@ -104,16 +119,19 @@ def test_partial_rollouts_are_off_by_default_and_pick_the_fixed_shape_step(argv,
 @pytest.mark.parametrize("layout", ["tp2", "pp2"])
 def test_in_flight_sequences_survive_a_resume_exactly(saved_tp2, tmp_path, layout):
     """Stopped after the step-2 save and resumed at the same layout: step 3 is the uninterrupted
-    run's, bit for bit (weights, data position, the pool)."""
+    run's, bit for bit (metrics, then every tensor of the step-3 checkpoint)."""
     if layout == "tp2":
         (tmp, (ckpt, full)), (nproc, argv) = saved_tp2, TP2
     else:
         (tmp, (nproc, argv)) = tmp_path, PP2
         ckpt, full = _uninterrupted(tmp, nproc, argv)
-    resumed = _resume(tmp, ckpt, nproc, argv, full)
+    resumed = _resume(tmp, ckpt, nproc, argv, full, save=("--save", str(tmp / "resumed")))
     assert [m["step"] for m in resumed] == [3]
     for k in (*COMPARED, *KEYS, "response_len"):
         assert resumed[0][k] == full[2][k], k
+    want, got = _tensors(tmp / "final"), _tensors(tmp / "resumed" / "iter_0000003")
+    assert sorted(got) == sorted(want) and any("exp_avg" in k for k in got)
+    assert all(got[k].equal(want[k]) for k in want)
 
 
 @pytest.mark.slow

@@ -7,6 +7,8 @@ in CPU mode, where the strict device mode checks that placement). ``group=None``
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.distributed as dist
 
@@ -88,9 +90,8 @@ def gather_lists(lists: list[list], group, dtype=torch.float64) -> list[list]:
     values = gather_ragged(torch.tensor([v for x in lists for v in x], dtype=dtype), group)
     out = []
     for lens, flat in zip(lengths, values):
-        ends = torch.tensor(lens.tolist()).cumsum(0).tolist()
-        flat = flat.tolist()
-        out += [flat[end - n:end] for n, end in zip(lens.tolist(), ends)]
+        flat, lens = flat.tolist(), lens.tolist()
+        out += [flat[end - n:end] for n, end in zip(lens, itertools.accumulate(lens))]
     return out
 
 

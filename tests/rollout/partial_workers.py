@@ -18,13 +18,12 @@ def _seqs(prefixes=None):
     return out
 
 
-def continue_across_steps(ckpt: str, save: bool, halt_after: int, fixed_shape: bool = False):
+def continue_across_steps(ckpt: str, save: bool, halt_after: int, shape: dict):
     """The samples generated in one go, and the same samples stopped after ``halt_after`` decode
-    steps and continued by a second call (the same weights): through the lockstep cache and, with
-    ``fixed_shape``, the fixed-shape decode step too (one spawn for both)."""
-    model = _model(ckpt, save)
-    modes = (False, True) if fixed_shape else (False,)
-    return {("fixed_shape" if m else "lockstep"): _continued(model, halt_after, m) for m in modes}
+    steps and continued by a second call (the same weights): through the lockstep cache and the
+    fixed-shape decode step (partial rollouts' default), one spawn for both."""
+    model = _model(ckpt, save, shape)
+    return {("fixed_shape" if m else "lockstep"): _continued(model, halt_after, m) for m in (False, True)}
 
 
 def _continued(model, halt_after: int, fixed_shape: bool) -> dict:

@@ -30,15 +30,10 @@ from emapg_megatron.models.config import (
     validate_fp8_shapes,
 )
 from emapg_megatron.rollout.config import SamplerConfig, VLLMConfig
+from emapg_megatron.run.config import CheckpointConfig, EvalConfig, LogConfig, LoopConfig
+from emapg_megatron.runtime.config import ParallelConfig
 from emapg_megatron.tasks.config import TaskConfig
-from emapg_megatron.training.config import (
-    CheckpointConfig,
-    EvalConfig,
-    LogConfig,
-    LoopConfig,
-    OptimConfig,
-    ParallelConfig,
-)
+from emapg_megatron.training.config import OptimConfig
 
 PRESETS_PACKAGE = "emapg_megatron.presets"
 

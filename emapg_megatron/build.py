@@ -48,12 +48,12 @@ from emapg_megatron.models.gpt import has_local_attention, unwrap, validate_prec
 from emapg_megatron.parallel.output_heads import output_head
 from emapg_megatron.rollout import vllm_engine
 from emapg_megatron.rollout.megatron_sampler import MegatronSampler
+from emapg_megatron.run.loop import log0
 from emapg_megatron.tasks import get_task
 from emapg_megatron.tasks.synthetic import CharTokenizer, CopyTask
 from emapg_megatron.trainer import PolicyPasses, Trainer
 from emapg_megatron.training import packing, prompt_cache
 from emapg_megatron.training.config import OptimConfig
-from emapg_megatron.training.loop import log0
 from emapg_megatron.training.model_and_optimizer import build_model_and_optimizer
 from emapg_megatron.training.optimizer_step import check_loaded_weights
 from emapg_megatron.training.prompt_data import PromptSchedule, load_training_prompts

@@ -29,7 +29,7 @@ import torch
 import torch.multiprocessing as mp
 
 from emapg_megatron import runtime
-from emapg_megatron.training.config import ParallelConfig
+from emapg_megatron.runtime.config import ParallelConfig
 
 #: Imported once by the CPU forkserver, so that forked ranks start with them loaded.
 PRELOAD = ["emapg_megatron.trainer", "emapg_megatron.multiprocess"]

@@ -18,11 +18,12 @@ import torch.distributed as dist
 from emapg_megatron import build, runtime
 from emapg_megatron.checkpoint import training as checkpointing
 from emapg_megatron.errors import CollectiveError, ConfigError, RunError, agreed
-from emapg_megatron.metrics import MetricsLogger
-from emapg_megatron.training import loop, prompt_cache
+from emapg_megatron.run import loop
+from emapg_megatron.run.metrics import MetricsLogger
+from emapg_megatron.run.outputs import clear_earlier_run
+from emapg_megatron.run.run_lock import lock_save_dir
+from emapg_megatron.training import prompt_cache
 from emapg_megatron.training.collectives import on_rank0
-from emapg_megatron.training.outputs import clear_earlier_run
-from emapg_megatron.training.run_lock import lock_save_dir
 
 
 def run(argv=None) -> int:

@@ -129,7 +129,7 @@ def test_help_text_is_the_field_docstring():
 def test_the_config_layer_imports_no_megatron_trainer_or_engine():
     code = ("import sys, emapg_megatron.arguments; "
             "print([m for m in sys.modules if m.startswith(('megatron', 'transformers', 'emapg_megatron.trainer', "
-            "'emapg_megatron.build', 'emapg_megatron.rollout.vllm_engine', 'emapg_megatron.runtime'))])")
+            "'emapg_megatron.build', 'emapg_megatron.rollout.vllm_engine', 'emapg_megatron.runtime.distributed'))])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
 

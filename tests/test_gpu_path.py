@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from emapg_megatron import runtime
+from emapg_megatron.errors import ConfigError
 from emapg_megatron.models import gpt
 from emapg_megatron.multiprocess import run_distributed
 
@@ -31,7 +32,7 @@ def test_a_broken_transformer_engine_is_not_transformer_engine(monkeypatch):
         assert not gpt.te_available()
         assert "does not import" in gpt._te_import_error()
         assert not gpt.use_transformer_engine("cuda")  # auto falls back to the local spec
-        with pytest.raises(runtime.ConfigError, match="--transformer-impl transformer_engine needs"):
+        with pytest.raises(ConfigError, match="--transformer-impl transformer_engine needs"):
             gpt.validate_precision(gpt.PrecisionConfig(transformer_impl="transformer_engine"), "cuda")
     finally:
         gpt._te_import_error.cache_clear()

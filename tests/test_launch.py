@@ -102,8 +102,8 @@ def test_a_fresh_run_never_replaces_an_earlier_ones_outputs(tmp_path):
 
 
 def test_overwrite_deletes_only_what_an_earlier_run_wrote(tmp_path):
-    from emapg_megatron.training.config import CheckpointConfig, LogConfig
-    from emapg_megatron.training.outputs import clear_earlier_run
+    from emapg_megatron.run.config import CheckpointConfig, LogConfig
+    from emapg_megatron.run.outputs import clear_earlier_run
 
     save, log = tmp_path / "ckpt", tmp_path / "log"
     for d in ("iter_0000002", "iter_0000004", "iter_0000006.tmp", ".iter_0000004.old-7", "mine"):

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from emapg_megatron.metrics import MetricsLogger
 from emapg_megatron.rollout.weight_sync import SyncStats
+from emapg_megatron.run.metrics import MetricsLogger
 
 
 def test_progress_line_jsonl_and_curves(tmp_path, capsys):
@@ -76,7 +76,7 @@ def test_wandb_missing_is_one_line_before_any_work(monkeypatch):
     import importlib.util
 
     from emapg_megatron.errors import ConfigError
-    from emapg_megatron.training.config import LogConfig
+    from emapg_megatron.run.config import LogConfig
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))

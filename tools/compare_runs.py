@@ -21,7 +21,7 @@ import sys
 
 import numpy as np
 
-from emapg_megatron.metrics import read_jsonl
+from emapg_megatron.run.metrics import read_jsonl
 
 CURVES = ("reward_mean", "kl", "entropy", "ema_lag")
 DEFAULT_CONFIGS = [

@@ -17,7 +17,7 @@ import json
 import os
 import sys
 
-from emapg_megatron.metrics import read_jsonl
+from emapg_megatron.run.metrics import read_jsonl
 
 TEACHER_WINDOW = 20  # the teacher's last steps averaged into its reward
 WINDOW = 10  # a student's moving mean

@@ -299,7 +299,7 @@ def _json_object(text) -> bool:
 
 
 # What a resume reads from the trainer's ``common`` entry (Trainer.load_state_dict,
-# training.loop.resume) and the layout saved there: (what it must be, its check).
+# run.loop.resume) and the layout saved there: (what it must be, its check).
 _DICT = ("a dict", lambda v: isinstance(v, dict))
 _COUNT = ("a non-negative integer", lambda v: type(v) is int and 0 <= v < 2**63)
 _NUMBER = ("a finite number", lambda v: type(v) in (int, float) and math.isfinite(v))

@@ -416,11 +416,11 @@ def pp2_job(root):
 # --------------------------------------------------------------------------- DP=2, distributed optimizer
 def resume_run(root, *, split, steps=6, **cfg):
     """LM + β·KL training with the EMA; with ``split`` save after 3 steps and resume in fresh
-    objects, through the trainer's own checkpoint path (``training.loop.save`` / ``resume``:
+    objects, through the trainer's own checkpoint path (``run.loop.save`` / ``resume``:
     model, optimizer and EMA state, torch RNG, EMA layout check, Adam step restore)."""
     from megatron.core import parallel_state as ps
 
-    from emapg_megatron.training import loop
+    from emapg_megatron.run import loop
 
     # A bf16 model with fp32 main params sharded by the distributed optimizer, as on a GPU.
     chunks, opt = build(dist_opt=True, bf16=True)

@@ -224,7 +224,7 @@ def resumed_vs_exported(argv: list, ckpt: str, export: str) -> dict:
     from emapg_megatron import build
     from emapg_megatron.checkpoint import load_hf_weights
     from emapg_megatron.models.gpt import global_param_name, unwrap
-    from emapg_megatron.training import loop
+    from emapg_megatron.run import loop
 
     inputs = build.prepare(argv)
     trainer = build.build_trainer(inputs)

@@ -9,7 +9,7 @@ import pytest
 
 from emapg_megatron.checkpoint import training as checkpointing
 from emapg_megatron.errors import ConfigError
-from emapg_megatron.metrics import MetricsLogger, read_jsonl
+from emapg_megatron.run.metrics import MetricsLogger, read_jsonl
 
 LOCAL = {"world_size": 2, "tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 1,
          "data_parallel_size": 1, "optimizer": "local"}

@@ -23,7 +23,7 @@ from emapg_megatron.checkpoint.safe_load import (
 )
 from emapg_megatron.errors import ConfigError
 from emapg_megatron.multiprocess import run_distributed
-from emapg_megatron.training.run_lock import LOCK_NAME, SaveDirLock, lock_save_dir
+from emapg_megatron.run.run_lock import LOCK_NAME, SaveDirLock, lock_save_dir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -232,7 +232,7 @@ def test_a_writer_that_outlives_its_killed_rank_does_not_hold_the_lock(tmp_path)
     import signal
 
     code = ("import os, sys, time; sys.path.insert(0, sys.argv[2]); "
-            "from emapg_megatron.training.run_lock import SaveDirLock; "
+            "from emapg_megatron.run.run_lock import SaveDirLock; "
             "SaveDirLock(sys.argv[1]).acquire(); pid = os.fork(); "
             "time.sleep(60) if pid == 0 else (print(pid, flush=True), time.sleep(60))")
     rank = subprocess.Popen([sys.executable, "-c", code, str(tmp_path), ROOT], stdout=subprocess.PIPE, text=True)

@@ -45,7 +45,7 @@ LAYOUT = {"world_size": 1, "tensor_model_parallel_size": 1, "pipeline_model_para
 
 
 def trainer_common(**changes) -> dict:
-    """common.pt as ``training.loop.save`` writes it (None in ``changes`` drops an entry)."""
+    """common.pt as ``run.loop.save`` writes it (None in ``changes`` drops an entry)."""
     common = {"iteration": 1, "scheduler": dict(SCHEDULER), "skipped_steps": 0,
               "args": json.dumps({"seed": 1}), checkpointing.LAYOUT_KEY: dict(LAYOUT)}
     common.update(changes)

@@ -59,7 +59,7 @@ def run_schedule(model_chunks, microbatches):
 def checkpoint_trainer(model_chunks, optimizer, anchor):
     """A :class:`~emapg_megatron.trainer.Trainer` holding only what its checkpoint covers (model,
     optimizer, EMA, a constant LR schedule): the trainer's own checkpoint state, saved and resumed
-    by ``training.loop.save`` / ``resume``, for workers that build model and optimizer themselves.
+    by ``run.loop.save`` / ``resume``, for workers that build model and optimizer themselves.
 
     Call it before the first optimizer step: like the trainer's, the schedule sets each parameter
     group's learning rate and weight decay (Megatron leaves the decay of norms and biases to it).

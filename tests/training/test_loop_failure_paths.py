@@ -7,8 +7,8 @@ import os
 import pytest
 
 from emapg_megatron.checkpoint import training as checkpointing
-from emapg_megatron.training import loop
-from emapg_megatron.training.config import CheckpointConfig, LoopConfig
+from emapg_megatron.run import loop
+from emapg_megatron.run.config import CheckpointConfig, LoopConfig
 
 
 def _written(path, text: str) -> str:
@@ -154,8 +154,8 @@ def test_a_step_without_reward_variance_is_said_once_per_streak_and_rollouts_are
 def test_a_log_dir_that_fills_up_stops_every_rank_in_one_line_and_keeps_whole_lines(tmp_path, monkeypatch):
     from trainer_workers import loop_with_fixed_metrics
 
-    from emapg_megatron.metrics import MetricsLogger
     from emapg_megatron.multiprocess import run_distributed
+    from emapg_megatron.run.metrics import MetricsLogger
 
     (out,) = run_distributed(loop_with_fixed_metrics, 1, args=([0.0, 0.0, 0.0], 2))
     assert out["error"] == ("--log-dir x: cannot write the metrics of step 2 (No space left on device)", True)

@@ -5,8 +5,8 @@ import os
 import subprocess
 import sys
 
-from emapg_megatron.metrics import read_jsonl
 from emapg_megatron.multiprocess import free_port
+from emapg_megatron.run.metrics import read_jsonl
 
 BASE = ["--preset", "tiny-cpu", "--rollout-batch-size", "4", "--num-samples-per-prompt", "4",
         "--micro-batch-size", "4", "--global-batch-size", "8", "--ppo-epochs", "1",

@@ -28,9 +28,9 @@ def save_initial_weights(ckpt_dir: str, argv: list, poison: bool = False):
 
 
 def training_checkpoint_job(root: str) -> dict:
-    """Save a small checkpoint the way the trainer does (``training.loop.save`` of the trainer's
+    """Save a small checkpoint the way the trainer does (``run.loop.save`` of the trainer's
     model, optimizer, EMA, RNG and common state), then report check_finite_before_save on
-    poisoned weights and a resume of it with the distributed optimizer (``training.loop.resume``)."""
+    poisoned weights and a resume of it with the distributed optimizer (``run.loop.resume``)."""
     from megatron_workers import checkpoint_trainer
 
     from emapg_megatron.anchor import EmaAnchor, EmaConfig
@@ -38,7 +38,7 @@ def training_checkpoint_job(root: str) -> dict:
     from emapg_megatron.errors import ConfigError, WeightsError
     from emapg_megatron.models.config import ModelConfig
     from emapg_megatron.models.gpt import unwrap
-    from emapg_megatron.training import loop
+    from emapg_megatron.run import loop
     from emapg_megatron.training.config import OptimConfig
     from emapg_megatron.training.model_and_optimizer import build_model_and_optimizer
 
@@ -83,12 +83,12 @@ def training_checkpoint_job(root: str) -> dict:
 
 
 def loop_with_fixed_metrics(fracs: list, failing_step: int | None = None) -> dict:
-    """``training.loop.run_steps`` over a stand-in trainer whose steps report the given
+    """``run.loop.run_steps`` over a stand-in trainer whose steps report the given
     ``zero_std_group_frac`` and one sample each, with rollout dumps every 2 steps, and a logger
     that cannot write from ``failing_step`` on: the warnings and dumps the loop makes, and the
     error it stops with."""
-    from emapg_megatron.training import loop
-    from emapg_megatron.training.config import CheckpointConfig, LogConfig, LoopConfig
+    from emapg_megatron.run import loop
+    from emapg_megatron.run.config import CheckpointConfig, LogConfig, LoopConfig
 
     class Trainer:
         skipped_steps = 0

@@ -11,7 +11,7 @@ import os
 import shutil
 
 from emapg_megatron.checkpoint.paths import run_files
-from emapg_megatron.training.config import CheckpointConfig, LogConfig
+from emapg_megatron.run.config import CheckpointConfig, LogConfig
 
 
 def clear_earlier_run(ckpt: CheckpointConfig, log: LogConfig) -> list[str]:

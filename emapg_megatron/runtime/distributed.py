@@ -1,4 +1,4 @@
-"""Distributed runtime: torch.distributed, Megatron parallel_state, seeding, CPU mode.
+"""torch.distributed, Megatron parallel_state, seeding, CPU mode.
 
 One call, :func:`initialize`, brings a process from ``torchrun`` (or the test
 harness) to a state where Megatron-Core models can be built: the process group
@@ -19,8 +19,7 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
 from emapg_megatron import cpu_device, expected_warnings
-from emapg_megatron.errors import ConfigError  # noqa: F401  (re-exported: runtime.ConfigError)
-from emapg_megatron.training.config import ParallelConfig
+from emapg_megatron.runtime.config import ParallelConfig
 
 
 def quiet_expected_warnings() -> None:

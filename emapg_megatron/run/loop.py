@@ -20,12 +20,12 @@ from emapg_megatron import runtime
 from emapg_megatron.checkpoint import training as checkpointing
 from emapg_megatron.checkpoint.convert import METADATA
 from emapg_megatron.errors import RunError, SkippedStepsError, agreed
+from emapg_megatron.run.config import CheckpointConfig, LogConfig, LoopConfig
 from emapg_megatron.training.collectives import (
     any_true_each,
     gather_objects_to_first,
     on_rank0,
 )
-from emapg_megatron.training.config import CheckpointConfig, LogConfig, LoopConfig
 from emapg_megatron.training.optimizer_step import check_weights
 
 

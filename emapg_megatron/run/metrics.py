@@ -15,7 +15,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from torch.utils.tensorboard import SummaryWriter
 
-from emapg_megatron.training.config import CURVES_FILE, METRICS_FILE, ROLLOUTS_FILE
+from emapg_megatron.run.config import CURVES_FILE, METRICS_FILE, ROLLOUTS_FILE
 
 PROGRESS_KEYS = ("reward_mean", "kl", "clip_frac", "ema_lag", "entropy", "ema/stability_margin", "eval/pass@1")
 PLOT_KEYS = ("reward_mean", "kl", "entropy", "clip_frac", "ema_lag", "pg_loss")

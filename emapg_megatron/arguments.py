@@ -29,7 +29,7 @@ from emapg_megatron.models.config import (
     PrecisionConfig,
     validate_fp8_shapes,
 )
-from emapg_megatron.rollout.config import SamplerConfig, VLLMConfig
+from emapg_megatron.rollout.config import PartialRolloutConfig, SamplerConfig, VLLMConfig
 from emapg_megatron.run.config import CheckpointConfig, EvalConfig, LogConfig, LoopConfig
 from emapg_megatron.runtime.config import ParallelConfig
 from emapg_megatron.tasks.config import TaskConfig
@@ -69,6 +69,7 @@ class RunConfig:
     task: TaskConfig = field(default_factory=TaskConfig)
     step: StepConfig = field(default_factory=StepConfig)
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    partial_rollouts: PartialRolloutConfig = field(default_factory=PartialRolloutConfig)
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     kl: KLConfig = field(default_factory=KLConfig)
@@ -143,6 +144,7 @@ def validate(cfg: RunConfig, world_size: int) -> None:
            f"--eval-interval needs --eval-data-path (held-out prompts of --task {cfg.task.name})")
     cfg.task.validate(cfg.model.load_hf)
     cfg.sampler.validate()
+    cfg.partial_rollouts.validate()
     cfg.vllm.check_settings(trainer_tp=cfg.parallel.tensor_model_parallel_size)
     cfg.loss.validate()
     cfg.kl.validate()
@@ -212,7 +214,7 @@ def _validate_engines(cfg: RunConfig) -> None:
 def _validate_partial_rollouts(cfg: RunConfig, world_size: int) -> None:
     """What --partial-rollouts does not support yet, each refused in one line (it is off by
     default; docs/partial_rollouts.md)."""
-    if not cfg.step.partial_rollouts:
+    if not cfg.partial_rollouts.enabled:
         return
     why = partial_rollouts_refusal(cfg, world_size)
     _check(why is None, f"--partial-rollouts {why}")

@@ -2,9 +2,10 @@
 
 :func:`prepare` parses and validates every flag and loads what needs no process group (model
 shape, tokenizer, task, checked prompts), so bad input stops before any work. After
-``runtime.initialize``, :func:`build_trainer` builds the model, optimizer, LR schedule, EMA
-anchor, rollout engine and the :class:`~emapg_megatron.trainer.Trainer` that orchestrates them,
-each from its own config.
+``runtime.initialize``, :func:`build_trainer` builds the model, optimizer, LR schedule, anchor
+(EMA or teacher), rollout engine, rollout collector (fresh or partial rollouts) and the
+:class:`~emapg_megatron.trainer.Trainer` that orchestrates them, each from its own config. The
+choices between alternatives (which anchor, which engine, which collector) are made here, once.
 """
 
 from __future__ import annotations
@@ -47,11 +48,21 @@ from emapg_megatron.models.config import ModelConfig
 from emapg_megatron.models.gpt import has_local_attention, unwrap, validate_precision
 from emapg_megatron.parallel.output_heads import output_head
 from emapg_megatron.rollout import vllm_engine
+from emapg_megatron.rollout.collect import (
+    FreshRollouts,
+    PartialRollouts,
+    SamplingSettings,
+    StepShape,
+)
+from emapg_megatron.rollout.evaluation import HeldOutEvaluation
 from emapg_megatron.rollout.megatron_sampler import MegatronSampler
+from emapg_megatron.rollout.partial import InFlight
 from emapg_megatron.run.loop import log0
+from emapg_megatron.step.passes import PolicyPasses
+from emapg_megatron.step.state import TrainState
 from emapg_megatron.tasks import get_task
 from emapg_megatron.tasks.synthetic import CharTokenizer, CopyTask
-from emapg_megatron.trainer import PolicyPasses, Trainer
+from emapg_megatron.trainer import Trainer
 from emapg_megatron.training import packing, prompt_cache
 from emapg_megatron.training.config import OptimConfig
 from emapg_megatron.training.model_and_optimizer import build_model_and_optimizer
@@ -93,7 +104,7 @@ def prepare(argv=None) -> RunInputs:
     if cfg.model.pretrained_checkpoint:
         check_pretrained_architecture(model_cfg, cfg.model.pretrained_checkpoint)
     tokenizer, task = build_tokenizer_and_task(cfg)
-    if cfg.step.partial_rollouts and task.multi_turn:
+    if cfg.partial_rollouts.enabled and task.multi_turn:
         raise ConfigError(f"--partial-rollouts does not support multi-turn tasks (--task {cfg.task.name}): "
                           "an episode's environment state cannot be carried between steps")
     teacher_cfg = teacher_architecture(cfg, model_cfg, tokenizer)
@@ -133,12 +144,29 @@ def build_trainer(inputs: RunInputs) -> Trainer:
     monitor = StabilityMonitor.from_config(cfg.ema) if cfg.ema.stability_interval else None
     head = output_head(model_cfg.vocab_size, fused=cfg.step.fused_lm_head,
                        sequence_parallel=cfg.parallel.sequence_parallel)
-    return Trainer(model_chunks=chunks, optimizer=optimizer, scheduler=scheduler,
-                   anchor=build_anchor(inputs, chunks, optimizer), monitor=monitor,
-                   sampler=build_rollout_engine(cfg, chunks, model_cfg, inputs.tokenizer),
-                   task=inputs.task, tokenizer=inputs.tokenizer,
-                   passes=PolicyPasses(cfg.kl, cfg.loss, model_cfg.vocab_size, head),
-                   step_cfg=cfg.step, data=PromptSchedule(inputs.prompts.rows, cfg.loop.seed))
+    engine = build_rollout_engine(cfg, chunks, model_cfg, inputs.tokenizer)
+    collector = build_collector(inputs, engine)
+    state = TrainState(chunks, optimizer, scheduler, build_anchor(inputs, chunks, optimizer), collector)
+    return Trainer(state=state, collector=collector, engine=engine, task=inputs.task, monitor=monitor,
+                   passes=PolicyPasses(cfg.kl, cfg.loss, model_cfg.vocab_size, head), step_cfg=cfg.step)
+
+
+def sampling_settings(cfg: RunConfig, task) -> SamplingSettings:
+    step = cfg.step
+    return SamplingSettings(step.temperature, step.top_p, step.max_new_tokens, tuple(task.stop_strings) or None)
+
+
+def build_collector(inputs: RunInputs, engine):
+    """Fresh rollouts, or --partial-rollouts' pool of prompt groups in flight."""
+    cfg, step, partial = inputs.config, inputs.config.step, inputs.config.partial_rollouts
+    args = (engine, inputs.task, inputs.tokenizer, PromptSchedule(inputs.prompts.rows, cfg.loop.seed),
+            StepShape(step.rollout_batch_size, step.num_samples, step.mini_batch_size),
+            sampling_settings(cfg, inputs.task))
+    if not partial.enabled:
+        return FreshRollouts(*args)
+    pool = InFlight(step.num_samples, step.rollout_batch_size, partial.pool_size(step.rollout_batch_size),
+                    partial.max_staleness)
+    return PartialRollouts(*args, pool)
 
 
 def build_anchor(inputs: RunInputs, chunks, optimizer):
@@ -159,7 +187,9 @@ def evaluation(inputs: RunInputs, trainer: Trainer):
     ev, rows = inputs.config.eval, inputs.eval_rows
     if rows is None:
         return None
-    return lambda step: trainer.evaluate(rows, ev.eval_samples, step) if ev.due(step) else {}
+    held_out = HeldOutEvaluation(trainer.engine, inputs.task, inputs.tokenizer, rows, ev.eval_samples,
+                                 sampling_settings(inputs.config, inputs.task))
+    return lambda step: held_out(step) if ev.due(step) else {}
 
 
 def load_initial_weights(chunks, optimizer, cfg: RunConfig, model_cfg: ModelConfig) -> None:
@@ -312,29 +342,10 @@ def build_rollout_engine(cfg: RunConfig, chunks, model_cfg: ModelConfig, tokeniz
                                       pad_id=pad_id, model_chunks=chunks,
                                       trainer_tp=parallel.tensor_model_parallel_size,
                                       pipeline_parallel=parallel.pipeline_model_parallel_size)
-    return MegatronSampler(chunks, vocab_size=model_cfg.vocab_size,
-                           eos_id=getattr(tokenizer, "eos_token_id", None), pad_id=pad_id,
-                           seq_length=step.seq_length, micro_batch_size=step.micro_batch_size,
-                           seed=cfg.loop.seed, tokenizer=tokenizer, kv_cache=cfg.sampler.kv_cache,
-                           max_requests=cfg.sampler.max_requests,
-                           max_forward_tokens=cfg.sampler.forward_token_limit,
-                           fixed_shape=fixed_shape_decode(cfg), cuda_graphs=cuda_graphs(cfg),
-                           continuous_batching=cfg.sampler.continuous_batching)
-
-
-def fixed_shape_decode(cfg: RunConfig) -> bool:
-    """--inference-fixed-shape-decode as given, else on exactly with --partial-rollouts: its slots
-    prefill a carried sequence in one forward, where the lockstep context re-feeds it a token per
-    forward (docs/partial_rollouts.md)."""
-    given = cfg.sampler.fixed_shape
-    return cfg.step.partial_rollouts if given is None else given
-
-
-def cuda_graphs(cfg: RunConfig) -> bool | None:
-    """--inference-cuda-graphs as given; when the fixed-shape step is on only by
-    --partial-rollouts' default, off unless given (the graphs have not yet run on a GPU)."""
-    given = cfg.sampler.cuda_graphs
-    return False if given is None and cfg.sampler.fixed_shape is None else given
+    return MegatronSampler(chunks, cfg.sampler.resolved(cfg.partial_rollouts.enabled),
+                           vocab_size=model_cfg.vocab_size, eos_id=getattr(tokenizer, "eos_token_id", None),
+                           pad_id=pad_id, seq_length=step.seq_length, micro_batch_size=step.micro_batch_size,
+                           seed=cfg.loop.seed, tokenizer=tokenizer)
 
 
 def lr_scheduler(optimizer, optim: OptimConfig, train_iters: int,

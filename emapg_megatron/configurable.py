@@ -101,14 +101,17 @@ class Option:
     negatable: bool = False
     """A boolean with ``--no-`` form (its default is True)."""
     metavar: tuple[str, ...] | str | None = None
+    trajectory: bool = False
+    """Changing it changes the data order or the samples: a run resumed with another value no
+    longer follows the uninterrupted one (:func:`trajectory_dests`)."""
 
 
 def option(default=MISSING, *, flag: str | None = None, aliases: tuple[str, ...] = (),
            choices=None, range: Range | None = None, path: str | None = None,
-           negatable: bool = False, metavar=None):
+           negatable: bool = False, metavar=None, trajectory: bool = False):
     """A dataclass field the user sets by a flag (and in YAML); see :class:`Option`."""
     meta = Option(flag, tuple(aliases), tuple(choices) if choices is not None else None, range,
-                  path, negatable, metavar)
+                  path, negatable, metavar, trajectory)
     return dataclasses.field(default=default, metadata={_OPTION: meta})
 
 
@@ -325,6 +328,11 @@ def flat(cfg) -> dict:
     for f in component_fields(type(cfg)):
         out.update(flat(getattr(cfg, f.name)))
     return out
+
+
+def trajectory_dests(tree) -> tuple[str, ...]:
+    """The dests of a config tree's options declared ``trajectory=True``, in declaration order."""
+    return tuple(dest_of(f) for _, _, f in walk(tree) if option_of(f).trajectory)
 
 
 def check_fields(cfg) -> None:

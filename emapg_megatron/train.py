@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from emapg_megatron import build, runtime
 from emapg_megatron.checkpoint import training as checkpointing
+from emapg_megatron.configurable import trajectory_dests
 from emapg_megatron.errors import CollectiveError, ConfigError, RunError, agreed
 from emapg_megatron.run import loop
 from emapg_megatron.run.metrics import MetricsLogger
@@ -46,7 +47,8 @@ def run(argv=None) -> int:
             if cleared:
                 loop.log0(f"--overwrite: deleted {len(cleared)} checkpoint and log files of an earlier run")
         trainer = build.build_trainer(inputs)
-        start = loop.resume(load, trainer, cfg.flags()) if load else 0
+        record = loop.RunRecord(cfg.flags(), build.model_metadata(inputs), trajectory_dests(type(cfg)))
+        start = loop.resume(load, trainer.state, record) if load else 0
         loop.log0(f"layout {build.layout(cfg.parallel, dist.get_world_size())}; "
                   f"training steps {start + 1}..{cfg.loop.train_iters}")
         logger = MetricsLogger(log.log_dir, cfg.loop.train_iters, tensorboard_dir=log.tensorboard_dir,
@@ -54,7 +56,6 @@ def run(argv=None) -> int:
                                log_interval=log.log_interval, wandb_project=log.wandb_project,
                                wandb_name=log.wandb_exp_name, run_config=cfg.flags())
         try:
-            record = loop.RunRecord(cfg.flags(), build.model_metadata(inputs))
             loop.run_steps(cfg.loop, cfg.checkpoint, trainer, logger, start, record, log,
                            build.evaluation(inputs, trainer))
         finally:

@@ -35,23 +35,33 @@ MODELS = {
 }
 
 
-def _samplers(model_name: str, max_len: int, batch: int) -> dict:
-    """The cached and the cache-free sampler over one model."""
+def _model(model_name: str, max_len: int):
+    """One model (its config and chunks) every sampler of a measurement shares."""
     from emapg_megatron.models.config import ModelConfig
     from emapg_megatron.models.gpt import build_for_this_rank
-    from emapg_megatron.rollout.megatron_sampler import MegatronSampler
 
     cfg = ModelConfig(**MODELS[model_name], max_position_embeddings=max_len)
-    chunks = [build_for_this_rank(cfg)]
-    return {name: MegatronSampler(chunks, vocab_size=cfg.vocab_size, eos_id=None, pad_id=0,
-                                  seq_length=max_len, micro_batch_size=batch, seed=0, kv_cache=kv)
-            for name, kv in (("cached", True), ("uncached", False))}
+    return cfg, [build_for_this_rank(cfg)]
 
 
-def _tokens_per_s(sampler, prompts, length: int) -> float:
+def _sampler(model, seq_length: int, batch: int, **settings):
+    """The built-in sampler (``settings``: its config's fields), buffers sized to ``seq_length``."""
+    from emapg_megatron.rollout.config import SamplerConfig
+    from emapg_megatron.rollout.megatron_sampler import MegatronSampler
+
+    cfg, chunks = model
+    return MegatronSampler(chunks, SamplerConfig(**settings).resolved(partial_rollouts=False),
+                           vocab_size=cfg.vocab_size, eos_id=None, pad_id=0, seq_length=seq_length,
+                           micro_batch_size=batch, seed=0)
+
+
+PATHS = {"cached": True, "uncached": False}  # --rollout-kv-cache of each measured path
+
+
+def _tokens_per_s(model, kv_cache: bool, prompts, length: int) -> float:
     import torch
 
-    sampler.seq_length = len(prompts[0]) + length
+    sampler = _sampler(model, len(prompts[0]) + length, len(prompts), kv_cache=kv_cache)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     start = time.perf_counter()
@@ -68,15 +78,15 @@ def measure(model_name: str, lengths: list[int], batch: int, prompt: int, uncach
 
     torch.manual_seed(0)
     prompts = [[(7 * s + i) % 90 + 1 for i in range(prompt)] for s in range(batch)]
-    samplers = _samplers(model_name, prompt + max(lengths), batch)
-    for s in samplers.values():
-        _tokens_per_s(s, prompts, 8)  # warm-up: allocations, lazy imports
+    model = _model(model_name, prompt + max(lengths))
+    for kv_cache in PATHS.values():
+        _tokens_per_s(model, kv_cache, prompts, 8)  # warm-up: allocations, lazy imports
     rows = []
     for length in lengths:
         row = {"response_tokens": length, "batch": batch, "prompt_tokens": prompt}
-        for name, s in samplers.items():
+        for name, kv_cache in PATHS.items():
             skip = name == "uncached" and length > uncached_max
-            row[f"{name}_tokens_per_s"] = None if skip else round(_tokens_per_s(s, prompts, length), 1)
+            row[f"{name}_tokens_per_s"] = None if skip else round(_tokens_per_s(model, kv_cache, prompts, length), 1)
         rows.append(row)
     return rows
 
@@ -95,17 +105,17 @@ def compare_scheduling(model_name: str, batch: int, slots: int, long: int, short
     torch.manual_seed(0)
     budgets = tailed_budgets(batch, slots, long, short)
     histories = [[(7 * s + i) % 90 + 1 for i in range(prompt)] for s in range(batch)]
-    sampler = _samplers(model_name, prompt + long, batch)["cached"]
-    sampler.fixed_shape, sampler.max_requests = True, slots
-    rows = []
+    from emapg_megatron.rollout.decoders import Sampling
+
+    model, rows, sampling = _model(model_name, prompt + long), [], Sampling(1.0, 1.0)
     for schedule in ("waves", "continuous"):
-        sampler.schedule = schedule
-        uniforms = sampler._uniforms(0, 0, list(range(batch)), long)
-        sampler._decode(histories[:slots], budgets[:slots], uniforms[:slots], 1.0, 1.0, None)  # warm-up
+        sampler = _sampler(model, prompt + long, batch, fixed_shape=True, max_requests=slots,
+                           continuous_batching=schedule == "continuous")
+        sampler.decode_turns(histories[:slots], budgets[:slots], list(range(slots)), sampling)  # warm-up
         start = time.perf_counter()
-        turns = sampler._decode(histories, budgets, uniforms, 1.0, 1.0, None)
+        turns, decoded = sampler.decode_turns(histories, budgets, list(range(batch)), sampling)
         elapsed = time.perf_counter() - start
-        stats, tokens = sampler.schedule_stats, sum(len(t.token_ids) for t in turns)
+        stats, tokens = decoded.schedule, sum(len(t.token_ids) for t in turns)
         rows.append({"scheduling": schedule, "forwards": stats.decode_forwards, "generated_tokens": tokens,
                      "tokens_per_s": round(tokens / elapsed, 1), "prefill_forwards": stats.prefill_forwards,
                      "mean_live_slots": round(stats.mean_live_slots, 3), "slots": slots, "sequences": batch})

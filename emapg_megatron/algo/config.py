@@ -24,18 +24,19 @@ ADVANTAGE_NORMS = ("group", "global", "none")
 class StepConfig:
     """One RL step: how much is sampled, how it is split into batches, how advantages are formed."""
 
-    rollout_batch_size: int = option(8, aliases=("--grpo-prompts-per-step",), range=at_least(1))
+    rollout_batch_size: int = option(8, aliases=("--grpo-prompts-per-step",), range=at_least(1),
+                                     trajectory=True)
     """Prompts per trainer step (B)."""
     num_samples: int = option(8, flag="--num-samples-per-prompt", aliases=("--grpo-group-size",),
-                              range=at_least(1))
+                              range=at_least(1), trajectory=True)
     """Responses per prompt (N, the GRPO group)."""
-    max_new_tokens: int = option(16, range=at_least(1))
+    max_new_tokens: int = option(16, range=at_least(1), trajectory=True)
     """Response length limit (--task search: each model turn has --max-turn-tokens instead)."""
     seq_length: int = option(64, range=at_least(2))
     """Maximum prompt + response length in tokens."""
-    temperature: float = option(1.0, range=above(0))
+    temperature: float = option(1.0, range=above(0), trajectory=True)
     """Sampling temperature (> 0)."""
-    top_p: float = option(1.0, range=between(0, 1, low_open=True))
+    top_p: float = option(1.0, range=between(0, 1, low_open=True), trajectory=True)
     """Nucleus sampling threshold in (0, 1]; the KL estimators' importance weights use the
     sampler's own (truncated) log-probs, so they stay consistent, but the samples no longer come
     from the policy (see docs/kl_estimators.md)."""
@@ -71,32 +72,10 @@ class StepConfig:
     task_reward: bool = option(True, negatable=True)
     """Form the advantages from the task's reward; --no-task-reward leaves them to the KL terms
     alone (pure on-policy distillation: needs a teacher). The reward is still computed and logged."""
-    partial_rollouts: bool = option(False, aliases=("--rl-partial-rollouts",))
-    """Partial rollouts (docs/partial_rollouts.md): keep --partial-rollout-oversample x
-    --rollout-batch-size prompt groups in flight and stop generating as soon as
-    --rollout-batch-size groups have every sample finished; the unfinished sequences keep their
-    tokens, behaviour log-probs and policy versions and continue first in the next step under the
-    new weights (prefilled again in one forward by the fixed-shape decode step, which this turns on
-    by default). Groups are never split. Built-in KV-cached sampler only."""
-    partial_rollout_oversample: float = option(3.0, range=at_least(1))
-    """--partial-rollouts: prompt groups in flight per step, as a multiple of --rollout-batch-size
-    (rounded up); the carried groups come first, then fresh prompts. More keeps more rows decoding
-    (and more sequences go stale): 3 trained more tokens per forward than 2 at 32 and at 256 new
-    tokens (BENCHMARKS.md, "Partial rollouts")."""
-    max_staleness: int = option(1, range=at_least(0))
-    """--partial-rollouts: a carried sequence holding a token more than K policy versions older than
-    the policy it would be trained at is dropped (counted in partial/dropped_stale) and restarts
-    from its prompt; 0 restarts every carried sequence."""
-
     @property
     def rollout_size(self) -> int:
         """Sequences sampled per step: B x N."""
         return self.rollout_batch_size * self.num_samples
-
-    @property
-    def rollout_pool_size(self) -> int:
-        """--partial-rollouts: prompt groups in flight per step (at least --rollout-batch-size)."""
-        return math.ceil(self.rollout_batch_size * self.partial_rollout_oversample)
 
     @property
     def mini_batch_size(self) -> int:

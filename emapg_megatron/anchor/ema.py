@@ -48,7 +48,8 @@ def _overlaps(pieces, lo: int, hi: int):
 
 
 class EmaAnchor:
-    """fp32 EMA of the policy, kept in the layout of Megatron DDP's buckets.
+    """fp32 EMA of the policy, kept in the layout of Megatron DDP's buckets (an
+    :class:`~emapg_megatron.anchor.protocol.Anchor`).
 
     ``model_chunks`` are the DDP-wrapped GPTModels of this rank and ``optimizer``
     the Megatron optimizer built on them. Construct it after the policy weights
@@ -183,6 +184,14 @@ class EmaAnchor:
 
     def metrics(self) -> dict:
         return {"ema_lag": self.lag()}
+
+    def named_tensors(self):
+        """This rank's EMA of each parameter piece it stores, as ``("EMA of NAME", tensor)``."""
+        for store in self.stores:
+            for slot in store.bucket.slots:
+                a, b = max(slot.lo, store.lo), min(slot.hi, store.hi)
+                if a < b:
+                    yield f"EMA of {slot.name}", store.data[a - store.lo:b - store.lo]
 
     # ------------------------------------------------------------------ diagnostics
     @torch.no_grad()

@@ -78,9 +78,8 @@ def check_same_tokenizer(teacher: TeacherConfig, student_tokenizer) -> None:
 
 
 class Teacher:
-    """The frozen teacher on this rank: its model chunks and the anchor interface."""
-
-    stores = ()  # no EMA storage (what a checkpoint's finiteness check walks)
+    """The frozen teacher on this rank: its model chunks, as an
+    :class:`~emapg_megatron.anchor.protocol.Anchor`."""
 
     def __init__(self, chunks: list, cpu_offload: bool = False):
         self.chunks = chunks
@@ -131,6 +130,9 @@ class Teacher:
     # the anchor interface: a frozen teacher has no update and no state of its own to save
     def step(self, iteration: int) -> bool:
         return False
+
+    def named_tensors(self):
+        return iter(())
 
     def sharded_state_dict(self, model_sharded_state_dict: dict | None = None) -> dict:
         return {}

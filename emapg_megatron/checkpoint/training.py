@@ -398,17 +398,10 @@ def _first_non_finite(named_tensors) -> str | None:
     return named[int(hits[0])][0] if len(hits) else None
 
 
-def _ema_tensors(anchor):
-    for store in anchor.stores:
-        for slot in store.bucket.slots:
-            a, b = max(slot.lo, store.lo), min(slot.hi, store.hi)
-            if a < b:
-                yield f"EMA of {slot.name}", store.data[a - store.lo:b - store.lo]
-
-
 @torch.no_grad()
 def check_finite_before_save(model_chunks, anchor=None, iteration: int | None = None) -> None:
-    """Raise ConfigError (on every rank) if any model weight, or EMA weight, is NaN or inf.
+    """Raise ConfigError (on every rank) if any model weight, or any tensor the anchor owns (its
+    ``named_tensors()``: the EMA), is NaN or inf.
 
     Collective when the process group is up (call it on all ranks): all ranks agree, so none
     is left waiting inside the save.
@@ -420,7 +413,7 @@ def check_finite_before_save(model_chunks, anchor=None, iteration: int | None = 
         named += [(prefix + global_param_name(gpt, name), p) for name, p in gpt.named_parameters()]
     bad = _first_non_finite(named)
     if bad is None and anchor is not None:
-        bad = _first_non_finite(_ema_tensors(anchor))
+        bad = _first_non_finite(anchor.named_tensors())
     found = [bad]
     if dist.is_initialized() and dist.get_world_size() > 1:
         found = [None] * dist.get_world_size()

@@ -1,7 +1,9 @@
-"""Configs of the rollout engines: the built-in Megatron sampler and vLLM."""
+"""Configs of rollout collection (partial rollouts) and of the engines: the built-in Megatron
+sampler and vLLM."""
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field, replace
 
@@ -56,6 +58,51 @@ class SamplerConfig:
     def forward_token_limit(self) -> int | None:
         """Rows x tokens of one cached forward before it is split; None: never split."""
         return None if self.max_forward_tokens == -1 else self.max_forward_tokens
+
+    @property
+    def schedule(self) -> str:
+        """The fixed-shape step's slot schedule: "continuous" or "waves"."""
+        return "continuous" if self.continuous_batching else "waves"
+
+    def resolved(self, partial_rollouts: bool) -> SamplerConfig:
+        """This config with its defaults decided: the fixed-shape step on exactly with partial
+        rollouts unless given (its slots prefill a carried sequence in one forward, where the
+        lockstep context re-feeds it a token per forward: docs/partial_rollouts.md); its CUDA
+        graphs off unless given when only partial rollouts turned the step on (they have not yet
+        run on a GPU), else left to the machine (None: wherever the step runs on a GPU at PP=1)."""
+        fixed = partial_rollouts if self.fixed_shape is None else self.fixed_shape
+        graphs = False if self.cuda_graphs is None and self.fixed_shape is None else self.cuda_graphs
+        return replace(self, fixed_shape=fixed, cuda_graphs=graphs)
+
+    def validate(self) -> None:
+        check_fields(self)
+
+
+@dataclass
+class PartialRolloutConfig:
+    """Partial rollouts: carry unfinished sequences into the next step (docs/partial_rollouts.md)."""
+
+    enabled: bool = option(False, flag="--partial-rollouts", aliases=("--rl-partial-rollouts",),
+                           trajectory=True)
+    """Partial rollouts (docs/partial_rollouts.md): keep --partial-rollout-oversample x
+    --rollout-batch-size prompt groups in flight and stop generating as soon as
+    --rollout-batch-size groups have every sample finished; the unfinished sequences keep their
+    tokens, behaviour log-probs and policy versions and continue first in the next step under the
+    new weights (prefilled again in one forward by the fixed-shape decode step, which this turns on
+    by default). Groups are never split. Built-in KV-cached sampler only."""
+    oversample: float = option(3.0, flag="--partial-rollout-oversample", range=at_least(1), trajectory=True)
+    """--partial-rollouts: prompt groups in flight per step, as a multiple of --rollout-batch-size
+    (rounded up); the carried groups come first, then fresh prompts. More keeps more rows decoding
+    (and more sequences go stale): 3 trained more tokens per forward than 2 at 32 and at 256 new
+    tokens (BENCHMARKS.md, "Partial rollouts")."""
+    max_staleness: int = option(1, range=at_least(0), trajectory=True)
+    """--partial-rollouts: a carried sequence holding a token more than K policy versions older than
+    the policy it would be trained at is dropped (counted in partial/dropped_stale) and restarts
+    from its prompt; 0 restarts every carried sequence."""
+
+    def pool_size(self, batch_size: int) -> int:
+        """Prompt groups in flight per step (at least ``batch_size``, the step's prompts)."""
+        return math.ceil(batch_size * self.oversample)
 
     def validate(self) -> None:
         check_fields(self)

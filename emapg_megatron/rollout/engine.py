@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -30,6 +30,8 @@ class RolloutBatch:
       environment-observation and padding tokens).
     * ``sampling_logprobs`` ``[S, L]``: log pi_sampling of each produced token (0 elsewhere).
     * ``prompt_lengths`` ``[S]``; ``responses``: the produced token ids per sequence.
+    * ``stats``: what producing it cost, when the engine says (the built-in sampler's
+      :class:`~emapg_megatron.rollout.decoders.DecodeStats`: ``.metrics()``, ``.forwards()``).
     """
 
     tokens: torch.Tensor
@@ -37,18 +39,46 @@ class RolloutBatch:
     sampling_logprobs: torch.Tensor
     prompt_lengths: torch.Tensor
     responses: list[list[int]]
+    stats: Any = None
 
 
 class RolloutEngine(Protocol):
-    def generate(self, prompts: Sequence[Sequence[int]], n: int, temperature: float, top_p: float,
-                 max_new_tokens: int) -> RolloutBatch:
-        """Sample ``n`` responses per prompt; sequences are grouped by prompt (prompt-major)."""
+    """What the trainer's rollout collection asks of an engine (the built-in Megatron sampler,
+    vLLM). Sequences are prompt-major; ``seq_index`` gives each sequence's index in the global
+    batch and ``rng_step`` the step: together they key its randomness, so a sample does not
+    depend on the parallel layout."""
 
-    def update_weights(self, model_chunks) -> None:
+    seq_length: int
+    pad_id: int
+
+    def generate(self, prompts: Sequence[Sequence[int]], n: int, temperature: float, top_p: float,
+                 max_new_tokens: int, *, stop: Sequence[str] | None = None, rng_step: int = 0,
+                 seq_index: Sequence[int] | None = None) -> RolloutBatch:
+        """Sample ``n`` responses per prompt, each ending at eos, a stop string (kept) or
+        ``max_new_tokens``."""
+
+    def generate_episodes(self, prompts: Sequence[Sequence[int]], n: int, envs: Sequence[Any], *,
+                          tokenizer, temperature: float, top_p: float, max_new_tokens: int,
+                          stop: Sequence[str] | None = None, rng_step: int = 0,
+                          seq_index: Sequence[int] | None = None) -> tuple[RolloutBatch, list]:
+        """Multi-turn: one episode per environment (``n`` per prompt); the batch's loss mask is 0
+        on observations. Returns the batch and the episodes."""
+
+    def update_weights(self, model_chunks) -> Any:
         """Make the engine sample from the trainer's current weights."""
 
     def metrics(self) -> dict:
-        """Per-step engine metrics for the log, e.g. the last weight sync's ``weight_sync_s``."""
+        """Per-step engine metrics for the log: the last weight sync's (``weight_sync_s``, ...)."""
+
+
+class ContinuingEngine(RolloutEngine, Protocol):
+    """An engine that can continue sequences across steps (partial rollouts)."""
+
+    def continue_sequences(self, seqs: Sequence[Any], *, temperature: float, top_p: float,
+                           max_new_tokens: int, stop: Sequence[str] | None = None, enough=None,
+                           agree=None) -> Any:
+        """Continue each sequence (its prompt, tokens, log-probs and the key of its uniforms) until
+        ``enough(finished flags)``; ``.turns`` (unfinished: finish reason "") and ``.stats``."""
 
 
 def warn_if_truncated_sampling(top_p: float, top_k: int = 0) -> None:

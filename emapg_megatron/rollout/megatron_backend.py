@@ -16,7 +16,7 @@ from emapg_megatron.checkpoint.hf_config import model_config_from_hf, read_hf_co
 from emapg_megatron.errors import ConfigError
 from emapg_megatron.models.gpt import build_for_this_rank
 from emapg_megatron.multiprocess import free_port
-from emapg_megatron.rollout.config import MAX_FORWARD_TOKENS
+from emapg_megatron.rollout.config import SamplerConfig
 from emapg_megatron.rollout.megatron_sampler import MegatronSampler
 from emapg_megatron.tasks.base import encode_text
 
@@ -29,14 +29,18 @@ class MegatronGenerationBackend:
         if not (temperature >= 0 and 0 < top_p <= 1 and max_new_tokens >= 1):
             raise ConfigError(f"need --temperature >= 0 (0: greedy), 0 < --top-p <= 1 and "
                               f"--max-new-tokens >= 1 (got {temperature}, {top_p}, {max_new_tokens})")
-        self.tokenizer = tokenizer
-        self.max_positions = model_cfg.max_position_embeddings
+        self.model_chunks, self.tokenizer, self.seed = model_chunks, tokenizer, seed
+        self.vocab_size, self.max_positions = model_cfg.vocab_size, model_cfg.max_position_embeddings
         self.temperature, self.top_p, self.max_new_tokens = temperature, top_p, max_new_tokens
-        self.sampler = MegatronSampler(
-            model_chunks, vocab_size=model_cfg.vocab_size, eos_id=tokenizer.eos_token_id,
-            pad_id=tokenizer.pad_token_id or 0, seq_length=self.max_positions,
-            micro_batch_size=1, seed=seed, tokenizer=tokenizer, max_forward_tokens=MAX_FORWARD_TOKENS)
         self.calls = 0
+
+    def _sampler(self, seq_length: int, micro_batch_size: int) -> MegatronSampler:
+        """The built-in sampler with its defaults (the KV cache in lockstep), its cache and buffers
+        sized to one call's longest sequence."""
+        return MegatronSampler(self.model_chunks, SamplerConfig().resolved(partial_rollouts=False),
+                               vocab_size=self.vocab_size, eos_id=self.tokenizer.eos_token_id,
+                               pad_id=self.tokenizer.pad_token_id or 0, seq_length=seq_length,
+                               micro_batch_size=micro_batch_size, seed=self.seed, tokenizer=self.tokenizer)
 
     def __call__(self, prompts: list[str], n: int, *, stop=None, max_new_tokens: int | None = None,
                  **_ignored) -> list[list[str]]:
@@ -48,10 +52,8 @@ class MegatronGenerationBackend:
         if longest > self.max_positions:
             raise ConfigError(f"prompt + {budget} new tokens = {longest} exceeds the model's "
                               f"{self.max_positions} positions")
-        self.sampler.seq_length = longest  # recompute buffers sized to this call
-        self.sampler.micro_batch_size = len(ids) * n
-        batch = self.sampler.generate(ids, n, self.temperature, self.top_p, budget, stop=stop,
-                                      rng_step=self.calls)
+        batch = self._sampler(longest, len(ids) * n).generate(ids, n, self.temperature, self.top_p, budget,
+                                                             stop=stop, rng_step=self.calls)
         self.calls += 1
         texts = [self.tokenizer.decode(r, skip_special_tokens=True) for r in batch.responses]
         return [texts[i * n:(i + 1) * n] for i in range(len(prompts))]

@@ -15,7 +15,7 @@ from emapg_megatron.errors import ConfigError
 class LoopConfig:
     """The run: how many steps, its seed, when to give up."""
 
-    seed: int = option(1234, range=at_least(0))
+    seed: int = option(1234, range=at_least(0), trajectory=True)
     """Random seed for weights, data order and sampling."""
     train_iters: int = option(100, range=at_least(1))
     """Total trainer steps; a run resumed with --load continues up to this total."""

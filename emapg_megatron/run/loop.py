@@ -1,7 +1,8 @@
 """The training loop: steps, logging, checkpoints, and a clean stop on a signal.
 
-Checkpoint state comes from the :class:`~emapg_megatron.trainer.Trainer` (``sharded_state_dict``,
-``common_state_dict``, ``load_state_dict``); this module decides when to save and how to resume.
+Checkpoint state is the trainer's :class:`~emapg_megatron.step.state.TrainState` (``trainer.state``:
+``sharded_state_dict``, ``common_state_dict``, ``load_state_dict``); this module decides when to
+save and how to resume. A step gives its metrics and samples as a record (``trainer.step(i)``).
 """
 
 from __future__ import annotations
@@ -40,6 +41,10 @@ class RunRecord:
 
     flags: dict = field(default_factory=dict)
     """The run's flags (``RunConfig.flags()``): a resume says which ones changed its trajectory."""
+    trajectory: tuple[str, ...] = ()
+    """The flags (dests) whose change on resume changes the data order or the samples: the run
+    then no longer follows the uninterrupted one, which a resume otherwise reproduces exactly
+    (the options declared ``trajectory=True``: ``configurable.trajectory_dests``)."""
     model: dict | None = None
     """The converter's model metadata (``checkpoint.convert.METADATA``): a checkpoint exports to
     HF on its own (``emapg-convert mcore-to-hf --load SAVE``)."""
@@ -48,41 +53,37 @@ class RunRecord:
         return {METADATA: json.dumps(self.model, indent=2) + "\n"} if self.model else {}
 
 
-def save(trainer, root: str, iteration: int, record: RunRecord | None = None) -> None:
-    """A checkpoint of step ``iteration`` under ``root``, never of non-finite or exploded weights."""
+def save(state, root: str, iteration: int, record: RunRecord | None = None) -> None:
+    """A checkpoint of step ``iteration`` (``state``: a ``TrainState``) under ``root``, never of
+    non-finite or exploded weights."""
     record = record or RunRecord()
-    check_weights(trainer.model_chunks, f"before saving step {iteration}")
-    checkpointing.check_finite_before_save(trainer.model_chunks, trainer.anchor, iteration)
-    common = {"iteration": iteration, **trainer.common_state_dict(),
+    check_weights(state.model_chunks, f"before saving step {iteration}")
+    checkpointing.check_finite_before_save(state.model_chunks, state.anchor, iteration)
+    common = {"iteration": iteration, **state.common_state_dict(),
               "args": json.dumps(record.flags, default=str)}
-    path = checkpointing.save(root, iteration, trainer.sharded_state_dict(), common, record.files())
+    path = checkpointing.save(root, iteration, state.sharded_state_dict(), common, record.files())
     log0(f"saved checkpoint {path}")
 
 
-#: Flags whose change on resume changes the data order or the samples: the run then no longer
-#: follows the uninterrupted one (which a resume otherwise reproduces exactly).
-TRAJECTORY_FLAGS = ("seed", "task", "data_path", "long_prompts", "rollout_batch_size",
-                    "num_samples_per_prompt", "max_new_tokens", "temperature", "top_p",
-                    "partial_rollouts", "partial_rollout_oversample", "max_staleness")
-
-
-def changed_trajectory_flags(saved: dict, flags: dict) -> list[str]:
-    """``--flag old -> new`` for each of :data:`TRAJECTORY_FLAGS` that differs from the saved run
+def changed_trajectory_flags(saved: dict, flags: dict, trajectory: tuple[str, ...]) -> list[str]:
+    """``--flag old -> new`` for each of the ``trajectory`` flags that differs from the saved run
     (the checkpoint keeps its flags as strings)."""
-    return [f"--{k.replace('_', '-')} {saved[k]} -> {flags[k]}" for k in TRAJECTORY_FLAGS
+    return [f"--{k.replace('_', '-')} {saved[k]} -> {flags[k]}" for k in trajectory
             if k in saved and k in flags and str(saved[k]) != str(flags[k])]
 
 
-def resume(root: str, trainer, flags: dict | None = None) -> int:
-    """Load the latest checkpoint under ``root`` (--load) into ``trainer``; returns its step. Warns
-    when the run's ``flags`` change the trajectory the checkpoint's run followed."""
+def resume(root: str, state, record: RunRecord | None = None) -> int:
+    """Load the latest checkpoint under ``root`` (--load) into ``state`` (a ``TrainState``);
+    returns its step. Warns when the run's flags (``record``) change the trajectory the
+    checkpoint's run followed."""
+    record = record or RunRecord()
     iteration = checkpointing.agreed_latest_iteration(root)
-    trainer.prepare_to_load(checkpointing.iteration_dir(root, iteration))
-    loaded = checkpointing.load(root, trainer.sharded_state_dict(is_loading=True), iteration)
-    trainer.load_state_dict(loaded)
-    log0(f"resumed from {root} at step {iteration}{trainer.resumed_extra()}")
+    state.prepare_to_load(checkpointing.iteration_dir(root, iteration))
+    loaded = checkpointing.load(root, state.sharded_state_dict(is_loading=True), iteration)
+    state.load_state_dict(loaded)
+    log0(f"resumed from {root} at step {iteration}{state.resume_note()}")
     saved = json.loads(loaded["common"].get("args", "{}"))
-    if changed := changed_trajectory_flags(saved, flags or {}):
+    if changed := changed_trajectory_flags(saved, record.flags, record.trajectory):
         log0(f"warning: resumed with other settings than the checkpoint's ({'; '.join(changed)}): "
              "data order and samples differ from the uninterrupted run")
     return iteration
@@ -125,12 +126,12 @@ def _raise(error: Exception):
     raise error
 
 
-def gathered_samples(trainer) -> list:
-    """The step's ``(prompt, response, reward)`` of every DP rank, on global rank 0 (one
+def gathered_samples(samples: list) -> list:
+    """A step's ``(prompt, response, reward)`` of every DP rank, on global rank 0 (one
     model-parallel rank per DP rank holds them: they are alike across the group)."""
     if ps.get_tensor_model_parallel_rank() or ps.get_pipeline_model_parallel_rank():
         return []
-    per_rank = gather_objects_to_first(trainer.samples, ps.get_data_parallel_group())
+    per_rank = gather_objects_to_first(samples, ps.get_data_parallel_group())
     return [s for samples in per_rank or [] for s in samples]
 
 
@@ -139,35 +140,36 @@ def run_steps(loop: LoopConfig, ckpt: CheckpointConfig, trainer, logger, start: 
     """Steps ``start + 1 ..`` --train-iters, a checkpoint (with ``record``) on the interval, at the
     end and on a signal; ``evaluate(step)`` adds its metrics (held-out Pass@k) to a step's.
     Returns the last step run."""
-    stop = StopFlag()
+    stop, state = StopFlag(), trainer.state
     iteration, zero_variance = start, False
     for iteration in range(start + 1, loop.train_iters + 1):
-        metrics = trainer.step(iteration)
+        result = trainer.step(iteration)
+        metrics = result.metrics
         if evaluate is not None:
             metrics.update(evaluate(iteration))
         logger.log(iteration, metrics)
         if log is not None and log.dumps_rollouts(iteration):
-            logger.dump_rollouts(iteration, gathered_samples(trainer))
+            logger.dump_rollouts(iteration, gathered_samples(result.samples))
         if metrics.get("zero_std_group_frac") == 1.0 and not zero_variance:
             logger.warn(f"step {iteration}: every prompt's samples got the same reward, so every advantage "
                         "is 0 and the step learns only from the KL and entropy terms (the task is too hard "
                         "or too easy for the policy; more --num-samples-per-prompt or another data mix)")
         zero_variance = metrics.get("zero_std_group_frac") == 1.0
-        if trainer.skipped_steps > loop.max_skipped_steps:
+        if state.skipped_steps > loop.max_skipped_steps:
             raise agreed(SkippedStepsError(
-                f"stopping: {trainer.skipped_steps} steps skipped for non-finite loss or gradients "
+                f"stopping: {state.skipped_steps} steps skipped for non-finite loss or gradients "
                 f"(--max-skipped-steps {loop.max_skipped_steps})"))
         stopping, log_failed = any_true_each(stop.requested, logger.failure is not None)
         if log_failed:  # only rank 0 writes the logs: every rank stops with its reason
             on_rank0(lambda: _raise(RunError(logger.failure)))
         if ckpt.save and (stopping or ckpt.due(iteration)):
-            save(trainer, ckpt.save, iteration, record)
+            save(state, ckpt.save, iteration, record)
         if stopping:
             log0(f"signal received: stopped after step {iteration}")
             return iteration
     ran = iteration > start  # a resume at --train-iters runs nothing: its checkpoint is the latest
     if ran and ckpt.save and not ckpt.due(iteration):
-        save(trainer, ckpt.save, iteration, record)
+        save(state, ckpt.save, iteration, record)
     return iteration
 
 

@@ -18,9 +18,9 @@ DEFAULT_MAX_TURNS = 4
 class TaskConfig:
     """The RL task providing prompts and rewards, and its data."""
 
-    name: str = option("synthetic-copy", flag="--task", choices=TASKS)
+    name: str = option("synthetic-copy", flag="--task", choices=TASKS, trajectory=True)
     """RL task providing prompts and rewards."""
-    data_path: str | None = option(None, path="exists")
+    data_path: str | None = option(None, path="exists", trajectory=True)
     """Local parquet/jsonl training data (math and search tasks)."""
     prompt_key: str | None = option(None)
     """Column of the prompt (default: math's problem, or verl's prompt when the file has no
@@ -30,7 +30,7 @@ class TaskConfig:
     answer_key: str | None = option(None)
     """Column of the reference answer (default: math's answer, or verl's
     reward_model.ground_truth; search's golden_answers); dotted for a nested field."""
-    long_prompts: str = option("error", choices=LONG_PROMPT_MODES)
+    long_prompts: str = option("error", choices=LONG_PROMPT_MODES, trajectory=True)
     """Prompts longer than --seq-length minus --max-new-tokens (search: --max-turn-tokens): error
     stops before training with their count and first row; drop leaves them out and logs the count."""
     chat_template: str = option("auto", choices=("auto", "always", "never"))

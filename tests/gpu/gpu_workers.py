@@ -123,12 +123,16 @@ def optimizer_check(dist_opt: bool, steps: int = 6) -> dict:
 def sampler_check() -> dict:
     from emapg_megatron.checkpoint.verify import megatron_logits
     from emapg_megatron.models.gpt import unwrap
+    from emapg_megatron.rollout.config import SamplerConfig
     from emapg_megatron.rollout.megatron_sampler import MegatronSampler
 
     cfg, chunks, _ = _build(False, seed=11)
     seq, new = 48, 16
-    sampler = MegatronSampler(chunks, vocab_size=cfg.vocab_size, eos_id=None, pad_id=0, seq_length=seq,
-                              micro_batch_size=8, seed=7)
+    def sampler_of(**settings):
+        return MegatronSampler(chunks, SamplerConfig(**settings).resolved(False), vocab_size=cfg.vocab_size,
+                               eos_id=None, pad_id=0, seq_length=seq, micro_batch_size=8, seed=7)
+
+    sampler = sampler_of()
     prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16, 17], [18]]
     b1 = sampler.generate(prompts, 4, 1.0, 1.0, new, rng_step=3)
     b2 = sampler.generate(prompts, 4, 1.0, 1.0, new, rng_step=3)
@@ -144,13 +148,9 @@ def sampler_check() -> dict:
         out[:, 1:] = lp[:, :-1].gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
         return out.cpu()
 
-    auto_waves = sampler.cache_waves  # sized by the free GPU memory: all 16 fit
-    waves = MegatronSampler(chunks, vocab_size=cfg.vocab_size, eos_id=None, pad_id=0, seq_length=seq,
-                            micro_batch_size=8, seed=7, max_requests=5)
-    b_waves = waves.generate(prompts, 4, 1.0, 1.0, new, rng_step=3)
-    split = MegatronSampler(chunks, vocab_size=cfg.vocab_size, eos_id=None, pad_id=0, seq_length=seq,
-                            micro_batch_size=8, seed=7, max_forward_tokens=8)  # prefill: 16 x 1 > 8
-    b_split = split.generate(prompts, 4, 1.0, 1.0, new, rng_step=3)
+    auto_waves = nucleus.stats.cache_waves  # sized by the free GPU memory: all 16 fit
+    b_waves = sampler_of(max_requests=5).generate(prompts, 4, 1.0, 1.0, new, rng_step=3)
+    b_split = sampler_of(max_forward_tokens=8).generate(prompts, 4, 1.0, 1.0, new, rng_step=3)  # prefill: 16 x 1 > 8
     tf1, tf_nucleus = teacher_forced(b1), teacher_forced(nucleus)
     sel = b1.loss_mask > 0
     sel_n = nucleus.loss_mask > 0
@@ -167,12 +167,12 @@ def sampler_check() -> dict:
         "sampled_logprob_mean": float(b1.sampling_logprobs[sel].mean()),
         # top-p 0.5 renormalises over the nucleus: log pi_top-p(y) = log pi(y) - log mass >= log pi(y)
         "nucleus_minus_full": nucleus.sampling_logprobs[sel_n] - tf_nucleus[sel_n],
-        **_cache_memory(chunks, seq, auto_waves, waves, b_waves, b1),
+        **_cache_memory(chunks, seq, auto_waves, b_waves, b1),
         "split_same_responses": sum(a == b for a, b in zip(b_split.responses, b1.responses)),
     }
 
 
-def _cache_memory(chunks, seq, auto_waves, waves, b_waves, b1) -> dict:
+def _cache_memory(chunks, seq, auto_waves, b_waves, b1) -> dict:
     """The KV cache's memory sizing on a real GPU: free memory, the per-sequence size (bf16), the
     waves of ``--inference-max-requests`` and of free memory."""
     from emapg_megatron.rollout import kv_cache_decoding as kv
@@ -180,7 +180,7 @@ def _cache_memory(chunks, seq, auto_waves, waves, b_waves, b1) -> dict:
     same = [a == b for a, b in zip(b_waves.responses, b1.responses)]
     return {"free_bytes": kv.free_device_bytes(), "total_bytes": torch.cuda.get_device_properties(0).total_memory,
             "bytes_per_row": kv.cache_bytes_per_row(chunks[0], seq), "auto_waves": auto_waves,
-            "max_requests_waves": waves.cache_waves, "max_rows_fed": max(waves.rows_fed),
+            "max_requests_waves": b_waves.stats.cache_waves, "max_rows_fed": max(b_waves.stats.rows_fed),
             "waves_same_responses": sum(same)}
 
 
@@ -313,7 +313,7 @@ def trainer_job(argv: list, steps: int = 2) -> dict:
     from emapg_megatron.models.gpt import unwrap
 
     trainer = build_trainer(argv)
-    anchor = trainer.anchor
+    anchor = trainer.state.anchor
     gpt = unwrap(trainer.model_chunks[0])
     stores = getattr(anchor, "stores", [])
     out = {
@@ -329,7 +329,7 @@ def trainer_job(argv: list, steps: int = 2) -> dict:
         "metrics": [],
     }
     for it in range(1, steps + 1):
-        out["metrics"].append({"step": it, **trainer.step(it)})
+        out["metrics"].append({"step": it, **trainer.step(it).metrics})
         out["ema"].append(anchor.gathered())
         out["weights"].append(_weights(trainer.model_chunks))
     # TE modules (Megatron's TE wrappers subclass them) carry fp8_meta; ``fp8`` is set on each forward.

@@ -73,13 +73,17 @@ def _model(ckpt: str, save: bool, shape: dict | None = None):
     return model
 
 
-def _sampler(model, kv_cache: bool, eos_id=EOS, max_requests=None, max_forward_tokens=None):
+def _sampler(model, kv_cache: bool, eos_id=EOS, max_requests=None, max_forward_tokens=None,
+             fixed_shape=False, schedule="continuous"):
+    from emapg_megatron.rollout.config import SamplerConfig
     from emapg_megatron.rollout.megatron_sampler import MegatronSampler
 
-    return MegatronSampler([model], vocab_size=TINY["vocab_size"], eos_id=eos_id, pad_id=0,
-                           seq_length=TINY["max_position_embeddings"], micro_batch_size=3, seed=7,
-                           kv_cache=kv_cache, max_requests=max_requests,
-                           max_forward_tokens=max_forward_tokens)
+    cfg = SamplerConfig(kv_cache=kv_cache, max_requests=max_requests, fixed_shape=fixed_shape,
+                        max_forward_tokens=-1 if max_forward_tokens is None else max_forward_tokens,
+                        continuous_batching=schedule == "continuous")
+    return MegatronSampler([model], cfg.resolved(partial_rollouts=False), vocab_size=TINY["vocab_size"],
+                           eos_id=eos_id, pad_id=0, seq_length=TINY["max_position_embeddings"],
+                           micro_batch_size=3, seed=7)
 
 
 def _share(dp: int, rank: int):
@@ -91,7 +95,7 @@ def _share(dp: int, rank: int):
 def _generate(sampler, prompts, seq_index, temperature=1.0, top_p=1.0):
     batch = sampler.generate(prompts, N, temperature, top_p, MAX_NEW, rng_step=3, seq_index=seq_index)
     return {"responses": batch.responses, "logprobs": batch.sampling_logprobs,
-            "rows_fed": list(sampler.rows_fed), "waves": sampler.cache_waves}
+            "rows_fed": batch.stats.rows_fed, "waves": batch.stats.cache_waves, "stats": batch.stats}
 
 
 def _episodes(sampler, prompts, seq_index, cut: bool, n: int = N, env=CountingEnv):
@@ -114,7 +118,7 @@ def _episodes(sampler, prompts, seq_index, cut: bool, n: int = N, env=CountingEn
     finally:
         megatron_sampler.answer = real
     return {"tokens": batch.tokens, "loss_mask": batch.loss_mask, "logprobs": batch.sampling_logprobs,
-            "rows_fed": list(sampler.rows_fed), "waves": sampler.cache_waves, "answers": answers,
+            "rows_fed": batch.stats.rows_fed, "waves": batch.stats.cache_waves, "answers": answers,
             "turns": sum(e.turns for e in envs)}
 
 

@@ -27,19 +27,18 @@ def continue_across_steps(ckpt: str, save: bool, halt_after: int, shape: dict):
 
 
 def _continued(model, halt_after: int, fixed_shape: bool) -> dict:
-    sampler = _sampler(model, kv_cache=True, eos_id=EOS)
-    sampler.fixed_shape = fixed_shape
+    sampler = _sampler(model, kv_cache=True, eos_id=EOS, fixed_shape=fixed_shape)
     kw = dict(temperature=1.0, top_p=1.0, max_new_tokens=MAX_NEW)
-    whole = sampler.continue_sequences(_seqs(), **kw)
+    whole = sampler.continue_sequences(_seqs(), **kw).turns
     calls = [0]
 
     def enough(finished):
         calls[0] += 1
         return calls[0] >= halt_after
 
-    first = sampler.continue_sequences(_seqs(), enough=enough, **kw)
+    first = sampler.continue_sequences(_seqs(), enough=enough, **kw).turns
     carried = {q.row: (t.token_ids, t.logprobs) for q, t in zip(_seqs(), first) if not t.finish_reason}
-    second = sampler.continue_sequences([q for q in _seqs(carried) if q.row in carried], **kw)
+    second = sampler.continue_sequences([q for q in _seqs(carried) if q.row in carried], **kw).turns
     joined = {q.row: t for q, t in zip(_seqs(), first)}
     joined.update({row: t for row, t in zip(sorted(carried), second)})
     as_lists = lambda turns: [(t.token_ids, t.logprobs, t.finish_reason) for t in turns]  # noqa: E731

@@ -6,6 +6,7 @@ and in waves over fewer slots than sequences: tokens, log-probs and the schedule
 """
 
 from kv_cache_workers import (
+    EOS,
     PROMPTS,
     WAVE,
     _episodes,
@@ -17,18 +18,16 @@ from kv_cache_workers import (
 
 
 def _fixed(model, schedule: str, slots=None, eos=True):
-    sampler = _sampler(model, True, max_requests=slots)
-    sampler.fixed_shape, sampler.schedule = True, schedule
-    if not eos:
-        sampler.eos_id = None
-    return sampler
+    return _sampler(model, True, max_requests=slots, fixed_shape=True, schedule=schedule,
+                    eos_id=EOS if eos else None)
 
 
-def _counted(sampler, out: dict) -> dict:
-    stats = sampler.schedule_stats
-    return {**out, "decode_forwards": stats.decode_forwards, "prefill_forwards": stats.prefill_forwards,
-            "prefilled": stats.prefilled,
-            "metrics": sampler.metrics()}
+def _counted(out: dict) -> dict:
+    """A generate's samples with the fixed-shape scheduler's counters and metrics."""
+    stats = out["stats"]
+    return {**out, "decode_forwards": stats.schedule.decode_forwards,
+            "prefill_forwards": stats.schedule.prefill_forwards, "prefilled": stats.schedule.prefilled,
+            "metrics": stats.metrics()}
 
 
 def sample_fixed_shape(ckpt: str, save: bool, shape: dict | None = None):
@@ -45,7 +44,7 @@ def sample_fixed_shape(ckpt: str, save: bool, shape: dict | None = None):
         out[name] = _generate(sampler, prompts, seq_index)
         out[name + "_top_p"] = _generate(sampler, prompts, seq_index, temperature=0.7, top_p=0.9)
         if name != "cached":
-            out[name] = _counted(sampler, _generate(sampler, prompts, seq_index))
+            out[name] = _counted(_generate(sampler, prompts, seq_index))
         sampler = make(eos=False)
         out[name + "_episodes"] = _episodes(sampler, prompts, seq_index, cut=False)
         out[name + "_episodes_cut"] = _episodes(sampler, prompts, seq_index, cut=True)

@@ -76,16 +76,13 @@ def test_state_round_trips():
 
 
 def test_a_checkpoint_pool_is_checked_and_an_old_checkpoint_starts_at_its_data_position():
-    from types import SimpleNamespace
-
     import pytest
 
     from emapg_megatron.errors import ConfigError
-    from emapg_megatron.trainer import Trainer
+    from emapg_megatron.rollout.collect import PartialRollouts, StepShape
 
-    trainer = Trainer.__new__(Trainer)  # only the pool's part of load_state_dict
-    trainer.in_flight, trainer.cfg = _flight(batch=2), SimpleNamespace(rollout_batch_size=2)
+    collector = PartialRollouts(None, None, None, None, StepShape(2, 2, 4), None, _flight(batch=2))
     with pytest.raises(ConfigError, match="corrupt checkpoint: its partial-rollout pool"):
-        trainer.load_in_flight({"in_flight": {"cursor": 1, "groups": [{"pos": 0, "samples": [{"x": 1}]}]}})
-    trainer.load_in_flight({"iteration": 3})  # saved without partial rollouts: step 4 takes rows 8, 9
-    assert (trainer.in_flight.cursor, trainer.in_flight.groups) == (8, [])
+        collector.load_state_dict({"in_flight": {"cursor": 1, "groups": [{"pos": 0, "samples": [{"x": 1}]}]}})
+    collector.load_state_dict({"iteration": 3})  # saved without partial rollouts: step 4 takes rows 8, 9
+    assert (collector.pool.cursor, collector.pool.groups) == (8, [])

@@ -57,24 +57,23 @@ def run_schedule(model_chunks, microbatches):
 
 
 def checkpoint_trainer(model_chunks, optimizer, anchor):
-    """A :class:`~emapg_megatron.trainer.Trainer` holding only what its checkpoint covers (model,
-    optimizer, EMA, a constant LR schedule): the trainer's own checkpoint state, saved and resumed
-    by ``run.loop.save`` / ``resume``, for workers that build model and optimizer themselves.
+    """The trainer's checkpoint state (:class:`~emapg_megatron.step.state.TrainState`: model,
+    optimizer, EMA, a constant LR schedule), saved and resumed by ``run.loop.save`` / ``resume``,
+    for workers that build model and optimizer themselves.
 
     Call it before the first optimizer step: like the trainer's, the schedule sets each parameter
     group's learning rate and weight decay (Megatron leaves the decay of norms and biases to it).
     """
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    from emapg_megatron.trainer import Trainer
+    from emapg_megatron.step.state import TrainState
 
     cfg = optimizer.config
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=cfg.lr, max_lr=cfg.lr, min_lr=cfg.lr, lr_warmup_steps=0, lr_decay_steps=1,
         lr_decay_style="constant", start_wd=cfg.weight_decay, end_wd=cfg.weight_decay,
         wd_incr_steps=1, wd_incr_style="constant")
-    return Trainer(model_chunks=model_chunks, optimizer=optimizer, scheduler=scheduler, anchor=anchor,
-                   sampler=None, task=None, tokenizer=None, passes=None, step_cfg=None, data=None)
+    return TrainState(model_chunks, optimizer, scheduler, anchor)
 
 
 def grads_by_global_name(ddp_model):

@@ -11,7 +11,7 @@ from megatron_workers import tiny_config
 from emapg_megatron.algo.config import LossConfig
 from emapg_megatron.algo.policy_loss import normaliser
 from emapg_megatron.kl.config import KLConfig
-from emapg_megatron.trainer import PolicyPasses
+from emapg_megatron.step.passes import PolicyPasses
 from emapg_megatron.training import packing
 
 VOCAB = 100

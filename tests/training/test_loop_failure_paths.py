@@ -103,13 +103,18 @@ def test_a_resume_names_the_flags_that_change_its_trajectory():
     """The checkpoint keeps its run's flags (as JSON); a resume with another seed or data says so."""
     import json
 
-    from emapg_megatron.arguments import parse_args
+    from emapg_megatron.arguments import RunConfig, parse_args
+    from emapg_megatron.configurable import trajectory_dests
 
+    trajectory = trajectory_dests(RunConfig)  # declared on the options (trajectory=True)
+    assert set(trajectory) == {"seed", "task", "data_path", "long_prompts", "rollout_batch_size",
+                               "num_samples_per_prompt", "max_new_tokens", "temperature", "top_p",
+                               "partial_rollouts", "partial_rollout_oversample", "max_staleness"}
     saved = json.loads(json.dumps(parse_args(["--preset", "tiny-cpu"]).flags(), default=str))
     same = parse_args(["--preset", "tiny-cpu", "--train-iters", "300", "--lr", "0.01"]).flags()  # free to change
-    assert loop.changed_trajectory_flags(saved, same) == []
+    assert loop.changed_trajectory_flags(saved, same, trajectory) == []
     other = parse_args(["--preset", "tiny-cpu", "--seed", "7", "--top-p", "0.9"]).flags()
-    assert loop.changed_trajectory_flags(saved, other) == ["--seed 1234 -> 7", "--top-p 1.0 -> 0.9"]
+    assert loop.changed_trajectory_flags(saved, other, trajectory) == ["--seed 1234 -> 7", "--top-p 1.0 -> 0.9"]
 
 
 class _WriteFailed(BaseException):  # as torch's CheckpointException: not an Exception

@@ -108,11 +108,11 @@ def _resume(tmp, ckpt, nproc, layout, full, save=()):
 ])
 def test_partial_rollouts_are_off_by_default_and_pick_the_fixed_shape_step(argv, fixed_shape, graphs):
     from emapg_megatron.arguments import parse_args
-    from emapg_megatron.build import cuda_graphs, fixed_shape_decode
 
     cfg = parse_args(["--preset", "tiny-cpu", *argv])
-    assert cfg.step.partial_rollouts == ("--partial-rollouts" in argv)
-    assert fixed_shape_decode(cfg) is fixed_shape and cuda_graphs(cfg) is graphs
+    assert cfg.partial_rollouts.enabled == ("--partial-rollouts" in argv)
+    sampler = cfg.sampler.resolved(cfg.partial_rollouts.enabled)
+    assert sampler.fixed_shape is fixed_shape and sampler.cuda_graphs is graphs
 
 
 @pytest.mark.slow

@@ -18,7 +18,7 @@ def train_steps(argv: list, steps: int):
     inputs = build.prepare(argv)
     model_cfg = inputs.model_cfg
     trainer = build.build_trainer(inputs)
-    metrics = [trainer.step(i) for i in range(1, steps + 1)]
+    metrics = [trainer.step(i).metrics for i in range(1, steps + 1)]
     gpt = unwrap(trainer.model_chunks[0])
     tp_rank = ps.get_tensor_model_parallel_rank()
     params = {}
@@ -38,7 +38,7 @@ def train_each_loss_type(base_argv: list, loss_types: list, steps: int):
     for name in loss_types:
         extra = ["--kl-alpha", "0.7"] if name == "topk-alpha" else []
         trainer = build.build_trainer(build.prepare([*base_argv, "--kl-loss-type", name, *extra]))
-        out[name] = [trainer.step(i) for i in range(1, steps + 1)][-1]
+        out[name] = [trainer.step(i).metrics for i in range(1, steps + 1)][-1]
     return out
 
 
@@ -92,7 +92,7 @@ def train_with_skewed_engine(argv: list) -> dict:
     from emapg_megatron import build
 
     trainer = build.build_trainer(build.prepare(argv))
-    generate, counts = trainer.sampler.generate, {}
+    generate, counts = trainer.engine.generate, {}
 
     def skewed(*a, **kw):
         batch = generate(*a, **kw)
@@ -105,5 +105,5 @@ def train_with_skewed_engine(argv: list) -> dict:
         counts.update(tis=len(lengths) / tokens, mis=(len(lengths) + int((lengths >= 2).sum())) / tokens)
         return batch
 
-    trainer.sampler.generate = skewed
-    return {"metrics": trainer.step(1), "expected": counts}
+    trainer.engine.generate = skewed
+    return {"metrics": trainer.step(1).metrics, "expected": counts}

@@ -87,16 +87,17 @@ def loop_with_fixed_metrics(fracs: list, failing_step: int | None = None) -> dic
     ``zero_std_group_frac`` and one sample each, with rollout dumps every 2 steps, and a logger
     that cannot write from ``failing_step`` on: the warnings and dumps the loop makes, and the
     error it stops with."""
+    from types import SimpleNamespace
+
     from emapg_megatron.run import loop
     from emapg_megatron.run.config import CheckpointConfig, LogConfig, LoopConfig
+    from emapg_megatron.trainer import StepResult
 
     class Trainer:
-        skipped_steps = 0
-        samples = []
+        state = SimpleNamespace(skipped_steps=0)
 
         def step(self, it):
-            self.samples = [(f"p{it}", f"r{it}", 1.0)]
-            return {"zero_std_group_frac": fracs[it - 1]}
+            return StepResult({"zero_std_group_frac": fracs[it - 1]}, [(f"p{it}", f"r{it}", 1.0)])
 
     class Logger:
         warnings, dumps, failure = [], [], None
@@ -124,11 +125,13 @@ def loop_with_fixed_metrics(fracs: list, failing_step: int | None = None) -> dic
 
 
 def evaluate_with_known_answers(n: int) -> dict:
-    """``Trainer.evaluate`` over DP ranks with a stand-in sampler whose response to a prompt is
+    """The held-out evaluation over DP ranks with a stand-in sampler whose response to a prompt is
     correct for the first ``c`` of its ``n`` samples, ``c`` being the row's ``c``: Pass@k as the
-    trainer computes it, on every rank."""
-    from emapg_megatron.algo.config import StepConfig
-    from emapg_megatron.trainer import Trainer
+    run computes it, on every rank."""
+    import torch
+
+    from emapg_megatron.rollout.collect import SamplingSettings
+    from emapg_megatron.rollout.evaluation import HeldOutEvaluation
 
     class Batch:
         pass
@@ -137,6 +140,7 @@ def evaluate_with_known_answers(n: int) -> dict:
         def generate(self, prompts, n, **kw):
             batch = Batch()
             batch.responses = [[k] for _ in prompts for k in range(n)]
+            batch.loss_mask, batch.stats = torch.ones(len(batch.responses), 1), None
             return batch
 
     class Task:
@@ -155,6 +159,6 @@ def evaluate_with_known_answers(n: int) -> dict:
         def decode(self, ids):
             return str(ids[0])
 
-    trainer = Trainer(model_chunks=None, optimizer=None, scheduler=None, anchor=None, sampler=Sampler(),
-                      task=Task(), tokenizer=Tokenizer(), passes=None, step_cfg=StepConfig(), data=None)
-    return trainer.evaluate([{"c": c} for c in (0, 1, 3, 4, 2)], n, iteration=7)
+    held_out = HeldOutEvaluation(Sampler(), Task(), Tokenizer(), [{"c": c} for c in (0, 1, 3, 4, 2)], n,
+                                 SamplingSettings(1.0, 1.0, 16))
+    return held_out(7)

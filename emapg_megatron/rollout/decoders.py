@@ -1,0 +1,215 @@
+"""The built-in sampler's three decode paths: one is chosen once, from the sampler's config and
+the model (:func:`decode_path`), and runs every generate, multi-turn episode and continuation.
+
+Each runs a set of :class:`~emapg_megatron.rollout.kv_cache_decoding.Stream` s until every one
+is done, through the same per-sequence protocol (an ``advance`` callback records a step's tokens
+and says of each row whether it continues, is done or must restart in a fresh cache), so the
+sampler's bookkeeping is written once:
+
+* :class:`RecomputeDecode` feeds each live sequence whole through the forward-only pipeline
+  schedule at every step (no cache): the simple reference the cached paths are tested against,
+  and what sequence parallelism falls back to (``--no-rollout-kv-cache``).
+* :class:`LockstepDecode` decodes through Megatron-Core's static inference context
+  (:mod:`.kv_cache_decoding`) in waves of :func:`~.kv_cache_decoding.cache_rows` (the default).
+* :class:`FixedShapeDecode` decodes with the fixed-shape step (:mod:`.static_decode`), its slots
+  continuously batched (:mod:`.continuous_batching`), optionally replayed as CUDA graphs
+  (``--inference-fixed-shape-decode``).
+
+A path returns what its decoding cost in a :class:`DecodeStats`, never leaves it on itself.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import torch
+from megatron.core import parallel_state as ps
+from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+from emapg_megatron import runtime
+from emapg_megatron.rollout import kv_cache_decoding as kv
+from emapg_megatron.rollout.config import SamplerConfig
+from emapg_megatron.rollout.continuous_batching import ScheduleStats, SlotScheduler
+from emapg_megatron.rollout.static_decode import StaticDecoder
+from emapg_megatron.training.microbatches import split_microbatches
+from emapg_megatron.training.schedule import forward_only
+
+
+@dataclass
+class Sampling:
+    """How the next token is drawn: temperature and top-p (the uniforms come with each stream)."""
+
+    temperature: float
+    top_p: float
+
+
+#: ``draw(logits or None, due streams, sampling) -> (ids, log-probs)``: the sampler's draw of one
+#: token per due stream, the same on every rank (logits exist on the last pipeline stage only).
+Draw = Callable[[torch.Tensor | None, list, Sampling], tuple[list[int], list[float]]]
+
+
+@dataclass
+class DecodeStats:
+    """What one generate (or continuation) cost, in machine-independent counts."""
+
+    path: str
+    """The decode path that ran (:data:`PATHS`)."""
+    rows_fed: list[int] = field(default_factory=list)
+    """Rows of each forward (finished rows cost nothing on the cached paths)."""
+    cache_waves: int = 0
+    """Caches run (the fixed-shape path runs one)."""
+    schedule: ScheduleStats | None = None
+    """The fixed-shape path's decode and prefill forwards and live slots."""
+    graph_memory: int = 0
+    """Bytes the fixed-shape path's CUDA graphs reserved."""
+
+    def forwards(self) -> int:
+        """Model forwards: decode steps and prefills."""
+        if self.schedule is not None:
+            return self.schedule.decode_forwards + self.schedule.prefill_forwards
+        return len(self.rows_fed)
+
+    def metrics(self) -> dict:
+        """The step's rollout metrics (none for the recompute reference)."""
+        if self.path == "recompute":
+            return {}
+        out = {"rollout_cache_waves": self.cache_waves}
+        if self.schedule is not None:
+            out.update(rollout_decode_forwards=self.schedule.decode_forwards,
+                       rollout_prefill_forwards=self.schedule.prefill_forwards,
+                       rollout_mean_live_slots=self.schedule.mean_live_slots,
+                       rollout_graph_memory_mb=self.graph_memory / 2**20)
+        return out
+
+
+class DecodePath(Protocol):
+    name: str
+
+    def run(self, chunks: list, streams: list[kv.Stream], advance, sampling: Sampling,
+            stats: DecodeStats, halted=None) -> list[kv.Stream]:
+        """Decode ``streams`` until each is done (``advance`` says DONE), adding the cost to
+        ``stats``; returns the streams that must restart in a fresh cache. ``halted(busy)`` True
+        stops the decoding (partial rollouts: what was sampled stays; ``busy``: whether this
+        rank has streams left)."""
+
+
+class RecomputeDecode:
+    """Every step feeds each live sequence whole (right-padded to ``--seq-length``) through the
+    forward-only pipeline schedule and samples its next token: no cache, no restarts."""
+
+    name = "recompute"
+
+    def __init__(self, *, seq_length: int, micro_batch_size: int, pad_id: int, draw: Draw):
+        self.seq_length, self.micro_batch_size, self.pad_id = seq_length, micro_batch_size, pad_id
+        self.draw = draw
+
+    def run(self, chunks, streams, advance, sampling, stats, halted=None):
+        active = list(streams)
+        while active and not (halted is not None and halted(True)):
+            logits = self._next_token_logits(chunks, [s.known for s in active])
+            stats.rows_fed.append(len(active))
+            ids, lps = self.draw(logits, active, sampling)
+            status = advance(active, ids, lps)  # a new turn's history is fed whole next step
+            active = [s for s, st in zip(active, status) if st != kv.DONE]
+        return []
+
+    def _next_token_logits(self, chunks, histories: list[list[int]]):
+        """Full-vocabulary logits at each history's last position (last PP stage only)."""
+        def pick(logits_shard, mb):
+            rows = torch.arange(logits_shard.shape[0], device=logits_shard.device)
+            return {"logits": gather_from_tensor_model_parallel_region(logits_shard[rows, mb["lengths"] - 1])}
+
+        S, size = len(histories), min(self.micro_batch_size, len(histories))
+        tokens = torch.full((S, self.seq_length), self.pad_id, dtype=torch.long)
+        for s, h in enumerate(histories):
+            tokens[s, :len(h)] = torch.as_tensor(h)
+        lengths = torch.tensor([len(h) for h in histories], dtype=torch.long)
+        rows = torch.cat([torch.arange(S), torch.zeros(-S % size, dtype=torch.long)])  # equal micro-batches
+        device = runtime.device()
+        mbs = split_microbatches({"tokens": tokens[rows].to(device), "lengths": lengths[rows].to(device)}, size)
+        outs = forward_only(chunks, mbs, pick)
+        return torch.cat([o["logits"] for o in outs])[:S] if outs else None
+
+
+class LockstepDecode:
+    """Megatron-Core's static inference context, in waves of cache rows (see
+    :mod:`.kv_cache_decoding`)."""
+
+    name = "lockstep"
+
+    def __init__(self, *, seq_length: int, max_requests: int | None, max_forward_tokens: int | None,
+                 draw: Draw):
+        self.seq_length, self.max_requests = seq_length, max_requests
+        self.max_forward_tokens, self.draw = max_forward_tokens, draw
+
+    def run(self, chunks, streams, advance, sampling, stats, halted=None):
+        model, restart = chunks[0], []
+        size = kv.cache_rows(model, len(streams), self.seq_length, self.max_requests)
+        stop = None if halted is None else (lambda: halted(True))  # one rank: it has rows left
+        for start in range(0, len(streams), size):
+            if stop is not None and stop():
+                break
+            restart += kv.decode_lockstep(model, streams[start:start + size], self.seq_length,
+                                          lambda logits, due: self.draw(logits, due, sampling), advance,
+                                          rows_fed=stats.rows_fed, max_forward_tokens=self.max_forward_tokens,
+                                          halted=stop)
+            stats.cache_waves += 1
+        return restart
+
+
+class FixedShapeDecode:
+    """The fixed-shape step's slots (as many as a wave's cache rows), continuously batched;
+    a restart happens in its own slot, so none is returned."""
+
+    name = "fixed-shape"
+
+    def __init__(self, *, seq_length: int, vocab_size: int, max_requests: int | None,
+                 cuda_graphs: bool, schedule: str):
+        self.seq_length, self.vocab_size, self.max_requests = seq_length, vocab_size, max_requests
+        self.cuda_graphs, self.schedule = cuda_graphs, schedule
+
+    def run(self, chunks, streams, advance, sampling, stats, halted=None):
+        model = chunks[0]
+        slots = kv.cache_rows(model, len(streams), self.seq_length, self.max_requests)
+        stats.schedule, stats.cache_waves = ScheduleStats(), 1
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():  # the graphs are captured here too: in eval mode, without autograd
+                decoder = StaticDecoder(model, slots, self.seq_length, self.vocab_size, sampling.temperature,
+                                        sampling.top_p, cuda_graphs=self.cuda_graphs)
+                stats.graph_memory = decoder.graphs.memory_bytes if decoder.graphs is not None else 0
+                SlotScheduler(decoder, advance, self.schedule, stats.schedule).run(streams, halted)
+        finally:
+            model.train(was_training)
+        return []
+
+
+PATHS = (RecomputeDecode.name, LockstepDecode.name, FixedShapeDecode.name)
+
+
+def decode_path(cfg: SamplerConfig, chunks, *, seq_length: int, micro_batch_size: int, vocab_size: int,
+                pad_id: int, draw: Draw) -> DecodePath:
+    """The path ``cfg`` (resolved: :meth:`SamplerConfig.resolved`) asks for, where the model
+    allows it: without a KV cache, or under what the cached forward does not support (it says
+    why, once), the recompute reference."""
+    why = kv.cache_supported(chunks) if cfg.kv_cache else None
+    if why is not None:
+        warnings.warn(f"KV-cached sampling is off under {why}: recomputing each step", stacklevel=2)
+    if not cfg.kv_cache or why is not None:
+        return RecomputeDecode(seq_length=seq_length, micro_batch_size=micro_batch_size, pad_id=pad_id,
+                               draw=draw)
+    if cfg.fixed_shape:
+        return FixedShapeDecode(seq_length=seq_length, vocab_size=vocab_size, max_requests=cfg.max_requests,
+                                cuda_graphs=graphs_on(cfg), schedule=cfg.schedule)
+    return LockstepDecode(seq_length=seq_length, max_requests=cfg.max_requests,
+                          max_forward_tokens=cfg.forward_token_limit, draw=draw)
+
+
+def graphs_on(cfg: SamplerConfig) -> bool:
+    """CUDA graphs of the fixed-shape step: on a GPU, one pipeline stage (stages exchange hidden
+    states between steps, outside any graph), unless turned off."""
+    return (cfg.cuda_graphs is not False and runtime.hardware() == "cuda"
+            and ps.get_pipeline_model_parallel_world_size() == 1)

@@ -156,7 +156,6 @@ def _wrap_new_group(orig):
 
 def install() -> None:
     """Wrap ``torch.distributed``'s collectives and ``new_group`` (idempotent)."""
-    wrappers = {}
     for name in _TENSOR_COLLECTIVES + _OBJECT_COLLECTIVES + ("new_group",):
         orig = getattr(c10d, name, None)
         if orig is None or hasattr(orig, "_emapg_original"):
@@ -165,7 +164,6 @@ def install() -> None:
             wrapper = _wrap_new_group(orig)
         else:
             wrapper = _wrap_collective(name, orig, check=name in _TENSOR_COLLECTIVES)
-        wrappers[name] = wrapper
         _dist_originals[id(orig)] = wrapper
         setattr(c10d, name, wrapper)
         if getattr(dist, name, None) is orig:

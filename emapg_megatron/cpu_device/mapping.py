@@ -67,10 +67,12 @@ class CudaToCpuMode(TorchFunctionMode):
 class MappingEngine:
     """Stands in for ``Variable._execution_engine`` in CPU mode: backward passes run mapped too.
 
-    ``Tensor.backward`` and ``torch.autograd.backward`` are torch functions, and handling one
-    pops the mode for its whole duration, backward pass included. Megatron allocates in backward
-    (``torch.empty(..., device=torch.cuda.current_device())`` in sequence-parallel linear layers),
-    so the mode is put back for the engine's run.
+    ``Tensor.backward`` and ``torch.autograd.backward`` / ``grad`` are torch functions, and
+    handling one pops the mode for its whole duration, backward pass included. Megatron allocates
+    in backward (``torch.empty(..., device=torch.cuda.current_device())`` in sequence-parallel
+    linear layers), and custom autograd Functions' backward and gradient hooks are to be mapped
+    (in strict mode: checked) like the forward, so the mode is put back for the engine's run.
+    Strict mode's engine adds to the run by overriding :meth:`_run`.
     """
 
     def __init__(self, engine):
@@ -79,7 +81,10 @@ class MappingEngine:
     def run_backward(self, *args, **kwargs):
         if torch._C._len_torch_function_stack() == 0:
             with CudaToCpuMode():
-                return self._engine.run_backward(*args, **kwargs)
+                return self._run(args, kwargs)
+        return self._run(args, kwargs)
+
+    def _run(self, args, kwargs):
         return self._engine.run_backward(*args, **kwargs)
 
     def __getattr__(self, name):

@@ -88,7 +88,7 @@ from torch.autograd.variable import Variable
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import state
-from .mapping import CudaToCpuMode, is_cuda_device, is_device_like, map_device
+from .mapping import MappingEngine, is_cuda_device, is_device_like, map_device
 from .tags import (
     TAG,
     DeviceMixError,
@@ -97,6 +97,7 @@ from .tags import (
     is_tagged,
     labelled_tensors,
     set_side,
+    side_name,
     storage_of,
 )
 
@@ -160,6 +161,12 @@ def _settle(out, on_device: bool, storages, force: bool):
             if isinstance(o, (torch.Tensor, list, tuple)):
                 _settle(o, on_device, storages, False)
     return out
+
+
+def _on_side_of(out, self):
+    """``out``, made from ``self`` alone (a view, a dtype or shape change), is on ``self``'s side."""
+    s = storage_of(self)
+    return _settle(out, True, [(s, True)], False) if is_tagged(s) else out
 
 
 class _Transfer(torch.autograd.Function):
@@ -305,11 +312,10 @@ def _sp_to(func, args, kwargs):
     if kwargs.get("device") is not None:
         target = is_cuda_device(kwargs["device"])
         kwargs["device"] = map_device(kwargs["device"])
-    s = storage_of(self)
-    on = is_tagged(s)
+    on = is_tagged(storage_of(self))
     out = func(self, *rest, **kwargs)
     if target is None or target == on:  # a dtype / layout change: the copy stays on self's side
-        return _settle(out, on, [(s, on)], False) if on else out
+        return _on_side_of(out, self)
     return _transfer(out, target, on)
 
 
@@ -318,7 +324,7 @@ def _sp_type_as(func, args, kwargs):
     on, target = is_tagged(storage_of(self)), is_tagged(storage_of(other))
     out = func(*args, **kwargs)
     if on == target:
-        return _settle(out, on, [(storage_of(self), on)], False) if on else out
+        return _on_side_of(out, self)
     return _transfer(out, target, on)
 
 
@@ -365,11 +371,7 @@ def _sp_cross_device(func, args, kwargs):
 
 def _sp_shape_of_other(func, args, kwargs):
     """``x.expand_as(y)`` and kin read only ``y``'s shape: legal across devices, on ``x``'s side."""
-    self = args[0]
-    s = storage_of(self)
-    on = is_tagged(s)
-    out = func(*args, **kwargs)
-    return _settle(out, True, [(s, on)], False) if on else out
+    return _on_side_of(func(*args, **kwargs), args[0])
 
 
 def _is_advanced(idx) -> bool:
@@ -397,10 +399,7 @@ def _check_index(func, args, kwargs, self, idx, value=None, advanced=None) -> No
 def _sp_getitem(func, args, kwargs):
     self, idx = args[0], args[1]
     _check_index(func, args, kwargs, self, idx)
-    out = func(*args, **kwargs)
-    if is_tagged(storage_of(self)):
-        return _settle(out, True, [(storage_of(self), True)], False)
-    return out
+    return _on_side_of(func(*args, **kwargs), self)
 
 
 def _sp_setitem(func, args, kwargs):
@@ -415,10 +414,7 @@ def _sp_index_put(func, args, kwargs):
     values = args[2] if len(args) > 2 else kwargs.get("values")
     _check_index(func, args, kwargs, self, tuple(i for i in indices if i is not None), values,
                  advanced=True)
-    out = func(*args, **kwargs)
-    if is_tagged(storage_of(self)):
-        return _settle(out, True, [(storage_of(self), True)], False)
-    return out
+    return _on_side_of(func(*args, **kwargs), self)
 
 
 def _build_specials() -> dict:
@@ -498,43 +494,33 @@ class _PropagateDeviceTags(TorchDispatchMode):
         return out
 
 
-class _TaggingEngine:
+class _TaggingEngine(MappingEngine):
     """Stands in for ``Variable._execution_engine``: runs backward passes under the tag propagation.
 
     Every Python entry to the autograd engine (``Tensor.backward``, ``torch.autograd.backward`` /
-    ``grad``, Megatron's ``custom_backward``) calls ``Variable._execution_engine.run_backward``.
+    ``grad``, Megatron's ``custom_backward``) calls ``Variable._execution_engine.run_backward``;
+    like the plain :class:`~.mapping.MappingEngine` it runs under the mode.
     """
-
-    def __init__(self, engine):
-        self._engine = engine
-
-    def run_backward(self, *args, **kwargs):
-        if torch._C._len_torch_function_stack() == 0:
-            # Entered from a torch function (Tensor.backward, torch.autograd.backward / grad),
-            # whose handling pops the mode: put it back so that custom autograd Functions'
-            # backward and the gradient hooks are mapped and checked like the forward.
-            with CudaToCpuMode():
-                return self._run(args, kwargs)
-        return self._run(args, kwargs)
 
     def _run(self, args, kwargs):
         outputs = args[0] if args else kwargs.get("tensors", ())
         grads = args[1] if len(args) > 1 else kwargs.get("grad_tensors", ())
-        with _DisableTorchFunction():
-            for i, (out, g) in enumerate(zip(outputs, grads)):
-                if isinstance(out, torch.Tensor) and isinstance(g, torch.Tensor) and (
-                    is_tagged(storage_of(out)) != is_tagged(storage_of(g))
-                ):
-                    raise DeviceMixError(
-                        f"backward: gradient {i} is on {'cuda' if is_tagged(storage_of(g)) else 'cpu'} "
-                        f"but its output on {'cuda' if is_tagged(storage_of(out)) else 'cpu'} "
-                        f"(on a GPU: 'invalid gradient - expected device'; strict CPU mode)"
-                    )
+        _check_gradient_sides(outputs, grads)
         with _PropagateDeviceTags():
-            return self._engine.run_backward(*args, **kwargs)
+            return super()._run(args, kwargs)
 
-    def __getattr__(self, name):
-        return getattr(self._engine, name)
+
+def _check_gradient_sides(outputs, grads) -> None:
+    """A gradient passed for an output is on the output's side (the engine's check on a GPU)."""
+    with _DisableTorchFunction():
+        for i, (out, g) in enumerate(zip(outputs, grads)):
+            if isinstance(out, torch.Tensor) and isinstance(g, torch.Tensor) and (
+                is_tagged(storage_of(out)) != is_tagged(storage_of(g))
+            ):
+                raise DeviceMixError(
+                    f"backward: gradient {i} is on {side_name(g)} but its output on {side_name(out)} "
+                    f"(on a GPU: 'invalid gradient - expected device'; strict CPU mode)"
+                )
 
 
 def _make_grads_on_device(orig):

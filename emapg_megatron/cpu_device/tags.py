@@ -72,6 +72,9 @@ def labelled_tensors(obj, label: str, out: list) -> None:
             labelled_tensors(o, f"{label}[{k!r}]", out)
 
 
+def side_name(t: torch.Tensor) -> str:
+    return "cuda" if is_tagged(storage_of(t)) else "cpu"
+
+
 def describe(t: torch.Tensor) -> str:
-    side = "cuda" if is_tagged(storage_of(t)) else "cpu"
-    return f"{side} {str(t.dtype).replace('torch.', '')}{list(t.shape)}"
+    return f"{side_name(t)} {str(t.dtype).replace('torch.', '')}{list(t.shape)}"

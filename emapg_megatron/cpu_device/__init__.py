@@ -25,7 +25,8 @@ tensor but remembers which ones live on the emulated GPU, and raises
 
 * :mod:`.tags`: the mark of a tensor on the emulated GPU (an attribute on its storage);
 * :mod:`.strict_mode`: where tags are set, what a tagged tensor reports, the
-  rules for torch functions and backward passes (rules 1-5), the limitations;
+  rules for torch functions (rules 1-5), the limitations;
+* :mod:`.strict_backward`: the same in backward passes (gradients on the device);
 * :mod:`.collectives`: ``torch.distributed`` collectives refuse host tensors on
   emulated NCCL groups, gloo groups exempt (rule 6).
 
@@ -42,7 +43,7 @@ from __future__ import annotations
 
 import os
 
-from . import collectives, mapping, state, strict_mode
+from . import collectives, mapping, state, strict_backward, strict_mode
 from .collectives import register_host_groups
 from .mapping import CudaToCpuMode
 from .tags import DeviceMixError, is_device_tensor
@@ -68,7 +69,8 @@ def install(strict: bool | None = None) -> None:
         mapping.install()
     if strict and state.strict_torch_function is None:
         collectives.install()
-        strict_mode.install()
+        strict_backward.install()
+        strict_mode.install()  # last: from here on CudaToCpuMode hands every call to strict mode
         os.environ[STRICT_ENV] = "1"  # ranks spawned from here run strict too
 
 

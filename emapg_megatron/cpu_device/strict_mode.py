@@ -19,13 +19,7 @@ by :mod:`.collectives` (rule 6).
   its backward hands the gradient back on the source side). Any other torch
   function with a device input tags its fresh outputs (outputs sharing an input's
   storage keep that input's tag);
-* during backward passes only (``Variable._execution_engine`` is wrapped), a
-  ``TorchDispatchMode`` that does the same for every aten op autograd runs, so
-  gradients (``p.grad``, the ``grad_output`` a custom ``autograd.Function`` gets)
-  are device tensors as on a GPU. The implicit ``1`` of ``loss.backward()`` is made
-  on the loss's side. The forward does without it (it costs ~10 us per aten op);
-  the torch-function layer is also re-entered for the backward, so custom
-  ``backward`` code and gradient hooks are mapped and checked like the forward.
+* during backward passes, the aten ops autograd runs (:mod:`.strict_backward`).
 
 *What a tagged tensor reports.* ``t.device`` is ``cuda:0`` (so the idiom
 ``torch.empty(n, device=x.device)`` / ``y.to(x.device)`` follows ``x`` as on a GPU),
@@ -61,9 +55,7 @@ on it). Code inside torch's own torch functions sees the real device too (a
    ``__array__`` of a device tensor raises.
 6. ``torch.distributed`` collectives: see :mod:`.collectives`.
 
-Backward: a gradient passed for a device output must be a device tensor and
-vice versa (the engine's "invalid gradient ... expected device" check); the
-implicit ``1`` of ``loss.backward()`` is made on the loss's side.
+Backward passes: see :mod:`.strict_backward`.
 
 *Limitations.* Checks happen at the torch-function boundary (what Python code
 calls), not inside aten composites or autograd formulas; 0-dim host tensors pass
@@ -81,14 +73,10 @@ process once installed.
 
 from __future__ import annotations
 
-import functools
-
 import torch
-from torch.autograd.variable import Variable
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import state
-from .mapping import MappingEngine, is_cuda_device, is_device_like, map_device
+from .mapping import is_cuda_device, is_device_like, map_device
 from .tags import (
     TAG,
     DeviceMixError,
@@ -97,7 +85,6 @@ from .tags import (
     is_tagged,
     labelled_tensors,
     set_side,
-    side_name,
     storage_of,
 )
 
@@ -454,100 +441,10 @@ def _build_specials() -> dict:
 _SPECIAL = _build_specials()
 
 
-class _PropagateDeviceTags(TorchDispatchMode):
-    """Every aten op with a device input tags its fresh outputs.
-
-    Active only while autograd runs a backward pass (see :class:`_TaggingEngine`): the forward
-    ops go through the torch-function layer, which propagates tags itself, but the tensors the
-    engine makes (gradients, the ``grad_output`` of a custom ``autograd.Function``) do not.
-    """
-
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        return False  # no torch._disable_dynamo wrapper around every call: nothing here compiles
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        # Without the torch-function layer: these are aten ops, whose arguments include the
-        # internals of composite ops and of autograd formulas (rule 1 is for what Python calls).
-        with _DisableTorchFunction():
-            out = func(*args, **kwargs) if kwargs else func(*args)
-            ins: list = []
-            collect_tensors(args, ins)
-            if kwargs:
-                collect_tensors(tuple(kwargs.values()), ins)
-            in_ids = set()
-            tagged = False
-            for t in ins:
-                s = storage_of(t)
-                if s is not None:
-                    in_ids.add(id(s))
-                    if not tagged and getattr(s, TAG, False):
-                        tagged = True
-            if not tagged:
-                return out
-            outs: list = []
-            collect_tensors(out if isinstance(out, (list, tuple)) else (out,), outs)
-            for t in outs:
-                s = storage_of(t)
-                if s is not None and id(s) not in in_ids and not getattr(s, TAG, False):
-                    setattr(s, TAG, True)
-        return out
-
-
-class _TaggingEngine(MappingEngine):
-    """Stands in for ``Variable._execution_engine``: runs backward passes under the tag propagation.
-
-    Every Python entry to the autograd engine (``Tensor.backward``, ``torch.autograd.backward`` /
-    ``grad``, Megatron's ``custom_backward``) calls ``Variable._execution_engine.run_backward``;
-    like the plain :class:`~.mapping.MappingEngine` it runs under the mode.
-    """
-
-    def _run(self, args, kwargs):
-        outputs = args[0] if args else kwargs.get("tensors", ())
-        grads = args[1] if len(args) > 1 else kwargs.get("grad_tensors", ())
-        _check_gradient_sides(outputs, grads)
-        with _PropagateDeviceTags():
-            return super()._run(args, kwargs)
-
-
-def _check_gradient_sides(outputs, grads) -> None:
-    """A gradient passed for an output is on the output's side (the engine's check on a GPU)."""
-    with _DisableTorchFunction():
-        for i, (out, g) in enumerate(zip(outputs, grads)):
-            if isinstance(out, torch.Tensor) and isinstance(g, torch.Tensor) and (
-                is_tagged(storage_of(out)) != is_tagged(storage_of(g))
-            ):
-                raise DeviceMixError(
-                    f"backward: gradient {i} is on {side_name(g)} but its output on {side_name(out)} "
-                    f"(on a GPU: 'invalid gradient - expected device'; strict CPU mode)"
-                )
-
-
-def _make_grads_on_device(orig):
-    """``torch.autograd``'s implicit ``1`` gradient of a device output is a device tensor."""
-
-    @functools.wraps(orig)
-    def _make_grads(outputs, grads, *args, **kwargs):
-        new_grads = orig(outputs, grads, *args, **kwargs)
-        with _DisableTorchFunction():
-            for out, given, made in zip(outputs, grads, new_grads):
-                if (given is None and isinstance(made, torch.Tensor) and isinstance(out, torch.Tensor)
-                        and is_tagged(storage_of(out))):
-                    set_side(made, True)
-        return new_grads
-
-    _make_grads._emapg_original = orig
-    return _make_grads
-
-
 def install() -> None:
-    """Turn strict mode on for the rest of this process (once: the package's install checks)."""
+    """Check every torch function from now on (once: the package's install checks)."""
     cuda = torch.cuda
     # torch.cuda.device(x.device) for a device tensor: nothing to switch on CPU.
     cuda._exchange_device = lambda device: 0
     cuda._maybe_exchange_device = lambda device: 0
-    if not isinstance(Variable._execution_engine, _TaggingEngine):
-        Variable._execution_engine = _TaggingEngine(Variable._execution_engine)
-    if not hasattr(torch.autograd._make_grads, "_emapg_original"):
-        torch.autograd._make_grads = _make_grads_on_device(torch.autograd._make_grads)
     state.strict_torch_function = handle_torch_function

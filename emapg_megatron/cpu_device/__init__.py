@@ -75,6 +75,7 @@ def install(strict: bool | None = None) -> None:
 
 
 def installed() -> bool:
+    """Whether the CUDA -> CPU mapping is in place in this process."""
     return state.installed
 
 

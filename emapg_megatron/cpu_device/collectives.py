@@ -3,8 +3,12 @@
 :func:`install` replaces each collective in ``torch.distributed`` (and in
 ``distributed_c10d``, and wherever a Megatron or emapg module imported before it
 keeps a reference) with a wrapper around the original. The wrappers are the one
-place where this layer meets ``torch.distributed``; an adaptation of a call that
-gloo takes differently from NCCL belongs in them too.
+place where this layer meets ``torch.distributed``, so an adaptation of a call
+that gloo takes differently from NCCL belongs in them too (e.g. gloo's
+``all_to_all_single`` wants split sizes as lists, Megatron's MoE dispatcher
+passes tensors). They are installed with strict mode only: an adaptation the
+plain mapping needs as well means installing them from the plain install too,
+the check staying strict-only.
 
 Rule 6 of strict mode (:mod:`.strict_mode` has rules 1-5): ``torch.distributed``
 tensor collectives (all_reduce, all_gather(_into_tensor), reduce_scatter(_tensor),

@@ -332,7 +332,7 @@ def flat(cfg) -> dict:
 
 def trajectory_dests(tree) -> tuple[str, ...]:
     """The dests of a config tree's options declared ``trajectory=True``, in declaration order."""
-    return tuple(dest_of(f) for _, _, f in walk(tree) if option_of(f).trajectory)
+    return tuple(dict.fromkeys(dest_of(f) for _, _, f in walk(tree) if option_of(f).trajectory))
 
 
 def check_fields(cfg) -> None:

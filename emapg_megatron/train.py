@@ -47,7 +47,8 @@ def run(argv=None) -> int:
             if cleared:
                 loop.log0(f"--overwrite: deleted {len(cleared)} checkpoint and log files of an earlier run")
         trainer = build.build_trainer(inputs)
-        record = loop.RunRecord(cfg.flags(), build.model_metadata(inputs), trajectory_dests(type(cfg)))
+        record = loop.RunRecord(cfg.flags(), build.model_metadata(inputs),
+                                trajectory=trajectory_dests(type(cfg)))
         start = loop.resume(load, trainer.state, record) if load else 0
         loop.log0(f"layout {build.layout(cfg.parallel, dist.get_world_size())}; "
                   f"training steps {start + 1}..{cfg.loop.train_iters}")

@@ -41,13 +41,13 @@ class RunRecord:
 
     flags: dict = field(default_factory=dict)
     """The run's flags (``RunConfig.flags()``): a resume says which ones changed its trajectory."""
+    model: dict | None = None
+    """The converter's model metadata (``checkpoint.convert.METADATA``): a checkpoint exports to
+    HF on its own (``emapg-convert mcore-to-hf --load SAVE``)."""
     trajectory: tuple[str, ...] = ()
     """The flags (dests) whose change on resume changes the data order or the samples: the run
     then no longer follows the uninterrupted one, which a resume otherwise reproduces exactly
     (the options declared ``trajectory=True``: ``configurable.trajectory_dests``)."""
-    model: dict | None = None
-    """The converter's model metadata (``checkpoint.convert.METADATA``): a checkpoint exports to
-    HF on its own (``emapg-convert mcore-to-hf --load SAVE``)."""
 
     def files(self) -> dict[str, str]:
         return {METADATA: json.dumps(self.model, indent=2) + "\n"} if self.model else {}
@@ -140,7 +140,7 @@ def run_steps(loop: LoopConfig, ckpt: CheckpointConfig, trainer, logger, start: 
     """Steps ``start + 1 ..`` --train-iters, a checkpoint (with ``record``) on the interval, at the
     end and on a signal; ``evaluate(step)`` adds its metrics (held-out Pass@k) to a step's.
     Returns the last step run."""
-    stop, state = StopFlag(), trainer.state
+    stop = StopFlag()
     iteration, zero_variance = start, False
     for iteration in range(start + 1, loop.train_iters + 1):
         result = trainer.step(iteration)
@@ -155,21 +155,21 @@ def run_steps(loop: LoopConfig, ckpt: CheckpointConfig, trainer, logger, start: 
                         "is 0 and the step learns only from the KL and entropy terms (the task is too hard "
                         "or too easy for the policy; more --num-samples-per-prompt or another data mix)")
         zero_variance = metrics.get("zero_std_group_frac") == 1.0
-        if state.skipped_steps > loop.max_skipped_steps:
+        if trainer.state.skipped_steps > loop.max_skipped_steps:
             raise agreed(SkippedStepsError(
-                f"stopping: {state.skipped_steps} steps skipped for non-finite loss or gradients "
+                f"stopping: {trainer.state.skipped_steps} steps skipped for non-finite loss or gradients "
                 f"(--max-skipped-steps {loop.max_skipped_steps})"))
         stopping, log_failed = any_true_each(stop.requested, logger.failure is not None)
         if log_failed:  # only rank 0 writes the logs: every rank stops with its reason
             on_rank0(lambda: _raise(RunError(logger.failure)))
         if ckpt.save and (stopping or ckpt.due(iteration)):
-            save(state, ckpt.save, iteration, record)
+            save(trainer.state, ckpt.save, iteration, record)
         if stopping:
             log0(f"signal received: stopped after step {iteration}")
             return iteration
     ran = iteration > start  # a resume at --train-iters runs nothing: its checkpoint is the latest
     if ran and ckpt.save and not ckpt.due(iteration):
-        save(state, ckpt.save, iteration, record)
+        save(trainer.state, ckpt.save, iteration, record)
     return iteration
 
 

@@ -228,7 +228,7 @@ def resumed_vs_exported(argv: list, ckpt: str, export: str) -> dict:
 
     inputs = build.prepare(argv)
     trainer = build.build_trainer(inputs)
-    loop.resume(ckpt, trainer)
+    loop.resume(ckpt, trainer.state)
     gpt = unwrap(trainer.model_chunks[0])
     trained = {global_param_name(gpt, n): p.detach().clone() for n, p in gpt.named_parameters()}
     load_hf_weights(trainer.model_chunks, inputs.model_cfg, export, progress=False)

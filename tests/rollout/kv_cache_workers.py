@@ -95,7 +95,9 @@ def _share(dp: int, rank: int):
 def _generate(sampler, prompts, seq_index, temperature=1.0, top_p=1.0):
     batch = sampler.generate(prompts, N, temperature, top_p, MAX_NEW, rng_step=3, seq_index=seq_index)
     return {"responses": batch.responses, "logprobs": batch.sampling_logprobs,
-            "rows_fed": batch.stats.rows_fed, "waves": batch.stats.cache_waves, "stats": batch.stats}
+            "rows_fed": batch.stats.rows_fed, "waves": batch.stats.cache_waves,
+            "schedule": vars(batch.stats.schedule) if batch.stats.schedule else None,
+            "metrics": batch.stats.metrics()}
 
 
 def _episodes(sampler, prompts, seq_index, cut: bool, n: int = N, env=CountingEnv):

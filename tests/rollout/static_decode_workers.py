@@ -24,10 +24,9 @@ def _fixed(model, schedule: str, slots=None, eos=True):
 
 def _counted(out: dict) -> dict:
     """A generate's samples with the fixed-shape scheduler's counters and metrics."""
-    stats = out["stats"]
-    return {**out, "decode_forwards": stats.schedule.decode_forwards,
-            "prefill_forwards": stats.schedule.prefill_forwards, "prefilled": stats.schedule.prefilled,
-            "metrics": stats.metrics()}
+    schedule = out["schedule"]
+    return {**out, "decode_forwards": schedule["decode_forwards"],
+            "prefill_forwards": schedule["prefill_forwards"], "prefilled": schedule["prefilled"]}
 
 
 def sample_fixed_shape(ckpt: str, save: bool, shape: dict | None = None):

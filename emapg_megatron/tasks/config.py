@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional
 
-from emapg_megatron.configurable import ANY_NUMBER, at_least, check_fields, option
+from emapg_megatron.configurable import ANY_NUMBER, at_least, check_fields, components, option
 from emapg_megatron.errors import ConfigError
 
 from .math_verifier import DEFAULT_TIMEOUT
@@ -148,7 +148,7 @@ class TaskConfig:
 
     def validate(self, load_hf: str | None) -> None:
         """The task's flags; ``load_hf`` is the model a real task takes its tokenizer from."""
-        for part in (self, self.columns, self.math, self.search):
+        for part in components(self):
             check_fields(part)
         if not self.built_in and load_hf is None:
             raise ConfigError(f"--task {self.name} needs --load-hf (for the tokenizer and weights)")

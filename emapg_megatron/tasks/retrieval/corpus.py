@@ -24,6 +24,9 @@ __all__ = ["Retriever", "load_corpus", "format_passages", "split_contents"]
 
 
 class Retriever(Protocol):
+    """What the search task needs of a retriever: the top-k passages of a query, or of each of
+    a batch."""
+
     def search(self, query: str, k: int = 3) -> list[dict]: ...
 
     def batch_search(self, queries: Sequence[str], k: int = 3) -> list[list[dict]]: ...

@@ -5,8 +5,8 @@ The server validates every request and answers a bad one with ``{"error": messag
 status, and keeps serving: 411 without a ``Content-Length``, 400 for a malformed one, 413 for a
 body over ``max_body`` (1 MiB by default), 408 for a request (line, headers and body together)
 not received within ``request_timeout`` of the connection being ready for it (an idle connection
-is closed without a reply), 400 for ``topk`` or ``queries`` that :func:`~.protocol.parse_retrieve_request`
-refuses.
+is closed without a reply), 400 for ``topk`` or ``queries`` that
+:func:`~.protocol.parse_retrieve_request` refuses.
 """
 from __future__ import annotations
 

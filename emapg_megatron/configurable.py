@@ -244,7 +244,7 @@ def _add_option(group: argparse._ArgumentGroup, cls, f: dataclasses.Field, seen:
         seen[name] = f"{cls.__name__}.{f.name}"
     kw = _argument(cls, f)
     group.add_argument(flag, *opt.aliases, **kw)
-    for old in opt.deprecated:
+    for old in opt.deprecated:  # the same action class as the flag's, so the old spelling parses alike
         base = group._registry_get("action", kw.get("action"), kw.get("action"))
         group.add_argument(old, **dict(kw, action=deprecated_action(base, flag),
                                        default=argparse.SUPPRESS, help=argparse.SUPPRESS))

@@ -205,16 +205,12 @@ def load_initial_weights(chunks, optimizer, cfg: RunConfig, model_cfg: ModelConf
 
 
 def build_tokenizer_and_task(cfg: RunConfig):
+    """The tokenizer (--load-hf's) and the task, on the config its flags built."""
     task = cfg.task
     if task.built_in:
         return CharTokenizer(), CopyTask(seed=cfg.loop.seed)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.load_hf, local_files_only=True)
-    if task.name == "math":
-        return tokenizer, get_task("math", chat_template=task.chat_template,
-                                   format_bonus=task.math_format_bonus)
-    return tokenizer, get_task("search", retriever=task.retriever, chat_template=task.chat_template,
-                               max_turns=task.max_turns, max_turn_tokens=task.max_turn_tokens,
-                               max_obs_tokens=task.max_obs_tokens, topk=task.retriever_topk)
+    return tokenizer, get_task(task.name, config=task.task_config())
 
 
 def load_prompts(cfg: RunConfig, tokenizer, task, path: str | None):

@@ -27,6 +27,7 @@ import functools
 import inspect
 import math
 import os
+import sys
 import textwrap
 import types
 import typing
@@ -101,6 +102,9 @@ class Option:
     negatable: bool = False
     """A boolean with ``--no-`` form (its default is True)."""
     metavar: tuple[str, ...] | str | None = None
+    deprecated: tuple[str, ...] = ()
+    """Old spellings still accepted, left out of ``--help``; each one used prints one line on
+    stderr naming the flag that replaces it."""
     trajectory: bool = False
     """Changing it changes the data order or the samples: a run resumed with another value no
     longer follows the uninterrupted one (:func:`trajectory_dests`)."""
@@ -108,10 +112,12 @@ class Option:
 
 def option(default=MISSING, *, flag: str | None = None, aliases: tuple[str, ...] = (),
            choices=None, range: Range | None = None, path: str | None = None,
-           negatable: bool = False, metavar=None, trajectory: bool = False):
-    """A dataclass field the user sets by a flag (and in YAML); see :class:`Option`."""
+           negatable: bool = False, metavar=None, deprecated: tuple[str, ...] = (),
+           trajectory: bool = False):
+    """A dataclass field the user sets by a flag (and in YAML); see :class:`Option`. Without a
+    default the flag is required (:func:`check_fields` says it needs a value)."""
     meta = Option(flag, tuple(aliases), tuple(choices) if choices is not None else None, range,
-                  path, negatable, metavar, trajectory)
+                  path, negatable, metavar, tuple(deprecated), trajectory)
     return dataclasses.field(default=default, metadata={_OPTION: meta})
 
 
@@ -160,22 +166,40 @@ def field_docs(cls) -> dict[str, str]:
 
 
 def value_type(cls, f: dataclasses.Field):
-    """(scalar type, count): ``int | None`` -> (int, None); ``tuple[float, float]`` -> (float, 2)."""
+    """(scalar type, count): ``int | None`` -> (int, None); ``tuple[float, float]`` -> (float, 2);
+    ``tuple[str, ...]`` -> (str, "+"), one value or more."""
     tp = typing.get_type_hints(cls)[f.name]
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
         tp = next(a for a in typing.get_args(tp) if a is not type(None))
     if typing.get_origin(tp) is tuple:
         args = typing.get_args(tp)
-        return args[0], len(args)
+        return args[0], ("+" if args[-1] is Ellipsis else len(args))
     return tp, None
 
 
 def walk(cls, path: tuple[str, ...] = ()):
-    """``(path to the component, component class, option field)`` for every option of a tree."""
+    """``(path to the component, component class, option field)`` for every option of a tree.
+
+    An option that several components inherit from one base comes once per component: the same
+    field, one flag, whose value each of them gets."""
     for f in option_fields(cls):
         yield path, cls, f
     for f in component_fields(cls):
         yield from walk(typing.get_type_hints(cls)[f.name], (*path, f.name))
+
+
+def component_classes(cls, path: tuple[str, ...] = ()):
+    """``(path, component class)`` for the tree ``cls`` and each component in it."""
+    yield path, cls
+    for f in component_fields(cls):
+        yield from component_classes(typing.get_type_hints(cls)[f.name], (*path, f.name))
+
+
+def components(cfg):
+    """Every component of a config instance, ``cfg`` first."""
+    yield cfg
+    for f in component_fields(type(cfg)):
+        yield from components(getattr(cfg, f.name))
 
 
 # --- the command line -------------------------------------------------------------------------
@@ -191,20 +215,62 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def add_arguments(parser: argparse.ArgumentParser, tree) -> None:
-    """One argument group per component of ``tree`` and one argument per option field."""
+    """One argument group per component of ``tree`` and one argument per option field. An option
+    several components share (inherited from one base) is one argument, in the group of the
+    closest component that holds them all."""
+    classes = dict(component_classes(tree))
+    homes: dict[dataclasses.Field, tuple[str, ...]] = {}
+    for path, _, f in walk(tree):
+        homes[f] = tuple(os.path.commonprefix([homes[f], path])) if f in homes else path
     groups: dict[tuple, argparse._ArgumentGroup] = {}
     seen: dict[str, str] = {}
-    for path, cls, f in walk(tree):
-        if path not in groups:
-            title = path[-1] if path else "run"
-            doc = (inspect.getdoc(cls) or "").split("\n\n")[0].replace("\n", " ")
-            groups[path] = parser.add_argument_group(title, doc.replace("%", "%%") or None)
-        opt = option_of(f)
-        for name in (flag_of(f), *opt.aliases):
-            if name in seen:
-                raise TypeError(f"{name} is declared twice ({seen[name]} and {cls.__name__}.{f.name})")
-            seen[name] = f"{cls.__name__}.{f.name}"
-        groups[path].add_argument(flag_of(f), *opt.aliases, **_argument(cls, f))
+    for _, cls, f in walk(tree):
+        home = homes.pop(f, None)
+        if home is None:
+            continue  # shared, and added already
+        if home not in groups:
+            groups[home] = _group(parser, home, classes[home])
+        _add_option(groups[home], cls, f, seen)
+
+
+def _group(parser: argparse.ArgumentParser, path: tuple[str, ...], cls) -> argparse._ArgumentGroup:
+    title = path[-1] if path else "run"
+    doc = (inspect.getdoc(cls) or "").split("\n\n")[0].replace("\n", " ")
+    return parser.add_argument_group(title, doc.replace("%", "%%") or None)
+
+
+def _add_option(group: argparse._ArgumentGroup, cls, f: dataclasses.Field, seen: dict[str, str]) -> None:
+    """The field's flag and aliases, and its deprecated spellings (left out of ``--help``)."""
+    opt, flag = option_of(f), flag_of(f)
+    for name in (flag, *opt.aliases, *opt.deprecated):
+        if name in seen:
+            raise TypeError(f"{name} is declared twice ({seen[name]} and {cls.__name__}.{f.name})")
+        seen[name] = f"{cls.__name__}.{f.name}"
+    kw = _argument(cls, f)
+    group.add_argument(flag, *opt.aliases, **kw)
+    for old in opt.deprecated:  # the same action class as the flag's, so the old spelling parses alike
+        base = group._registry_get("action", kw.get("action"), kw.get("action"))
+        group.add_argument(old, **dict(kw, action=deprecated_action(base, flag),
+                                       default=argparse.SUPPRESS, help=argparse.SUPPRESS))
+
+
+def deprecated_action(base: type[argparse.Action], new: str) -> type[argparse.Action]:
+    """``base`` that first says, once per parser, that the spelling used is deprecated."""
+
+    class Deprecated(base):
+        def __call__(self, parser, namespace, values, option_string=None):
+            warn_deprecated(parser, option_string, new)
+            super().__call__(parser, namespace, values, option_string)
+
+    return Deprecated
+
+
+def warn_deprecated(parser: argparse.ArgumentParser, old: str, new: str) -> None:
+    """One line on stderr the first time ``parser`` meets the deprecated spelling ``old``."""
+    warned = vars(parser).setdefault("_deprecated_seen", set())
+    if old not in warned:
+        warned.add(old)
+        print(f"warning: {old} is deprecated: use {new}", file=sys.stderr)
 
 
 def _argument(cls, f: dataclasses.Field) -> dict:
@@ -284,6 +350,10 @@ def _yaml_value(action: argparse.Action, value):
         if not isinstance(value, bool):
             raise ValueError(f"must be true or false (got {value!r})")
         return value
+    if action.nargs == "+":
+        if not isinstance(value, list) or not value:
+            raise ValueError(f"must be a list of one value or more (got {value!r})")
+        return [_yaml_scalar(action, v) for v in value]
     if isinstance(action.nargs, int):
         if not isinstance(value, list) or len(value) != action.nargs:
             raise ValueError(f"must be a list of {action.nargs} values (got {value!r})")
@@ -337,7 +407,8 @@ def trajectory_dests(tree) -> tuple[str, ...]:
 
 def check_fields(cfg) -> None:
     """Each option of ``cfg`` (one component) against its declaration: a value where the default
-    has one, a choice, a finite number in its range. Raises ConfigError with one line."""
+    has one (or there is no default), a choice, a finite number in its range. Raises ConfigError
+    with one line."""
     for f in option_fields(type(cfg)):
         value, opt, flag = getattr(cfg, f.name), option_of(f), flag_of(f)
         if value is None:

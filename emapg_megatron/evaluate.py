@@ -1,7 +1,13 @@
 """Evaluate a task: Pass@1 (averaged over N samples) and unbiased Pass@k, per data source.
 
-    python -m emapg_megatron.evaluate --task math --data data/samples/math.jsonl \\
-        --responses data/samples/math_responses.jsonl --n-samples 4 --out runs/eval_math
+    python -m emapg_megatron.evaluate --task math --data-path data/samples/math.jsonl \\
+        --responses data/samples/math_responses.jsonl --num-samples-per-prompt 4 --out runs/eval_math
+
+The flags are generated from configs (``emapg_megatron.configurable``), the task's own among
+them (:class:`~emapg_megatron.tasks.config.SearchConfig`, the columns, ``--chat-template``), so a
+setting both ``emapg-evaluate`` and ``emapg-train`` have is spelled the same in both. The old
+spellings ``--data``, ``--n-samples`` and ``--field NAME=COLUMN`` still parse, with a deprecation
+line on stderr.
 
 Two sources of responses:
 
@@ -9,7 +15,7 @@ Two sources of responses:
   ``{"index": <row index in the data file>, "responses": ["...", ...]}`` (or ``"response": "..."``
   with one line per sample; lines with the same index accumulate). ``index`` is the 0-based
   row number in the data file (the ``_index`` column of the loaded rows). With several
-  ``--data`` files add ``"file": "<basename>"``. Without any ``index`` the lines are matched to
+  ``--data-path`` files add ``"file": "<basename>"``. Without any ``index`` the lines are matched to
   the loaded rows in order, and the counts must agree.
 * ``--load CKPT``: generate with a model through ``emapg_megatron.rollout`` (imported lazily;
   it must provide ``load_generation_backend(ckpt, **generation_kwargs)`` returning a
@@ -34,6 +40,7 @@ match of the final ``<answer>`` for ``search``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import logging
@@ -42,13 +49,19 @@ import sys
 import time
 import traceback
 from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Protocol, Sequence
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from . import configurable
+from .configurable import ANY_NUMBER, above, at_least, between, option
+from .errors import ConfigError
 from .tasks import get_task
+from .tasks.config import DataColumns, MathConfig, PromptConfig, SearchConfig
 from .tasks.data import MAX_JSON_DEPTH, json_too_deep
+from .tasks.math_verifier import DEFAULT_TIMEOUT
 from .tasks.passk import _check, default_ks, mean_pass_at_k
 
 logger = logging.getLogger("emapg_megatron.evaluate")
@@ -65,6 +78,9 @@ __all__ = [
     "score",
     "summarize",
     "write_report",
+    "EvaluateConfig",
+    "build_parser",
+    "parse_args",
     "main",
 ]
 
@@ -141,7 +157,7 @@ def read_responses(path: str, rows: Sequence[Mapping[str, Any]], n_samples: int)
     short = [int(r["_index"]) for r, resps in zip(rows, by_row) if len(resps) < n_samples]
     if short:
         raise EvalError(
-            f"{len(short)} row(s) have fewer than --n-samples {n_samples} responses in {path}: index "
+            f"{len(short)} row(s) have fewer than --num-samples-per-prompt {n_samples} responses in {path}: index "
             f"{short[:20]}{' ...' if len(short) > 20 else ''}"
         )
     return [resps[:n_samples] for resps in by_row]
@@ -245,26 +261,24 @@ class _Progress:
         self.stream.flush()
 
 
-def _prepare_load(task, args, rows) -> None:
+def _prepare_load(task, cfg: EvaluateConfig, rows) -> None:
     """What a --load run needs besides the model, checked before loading it."""
     if not task.multi_turn:
         return
-    corpus = "a corpus jsonl or the http:// URL of a retriever service"
-    if args.task == "search" and not args.retriever:
-        raise EvalError(f"--task search --load needs --retriever ({corpus})")
-    if args.retriever and not args.retriever.startswith(("http://", "https://")) \
-            and not os.path.isfile(args.retriever):
-        raise EvalError(f"--retriever {args.retriever}: no such corpus file (give {corpus})")
+    name, search, max_new = cfg.task.name, cfg.task.search, cfg.sampling.max_new_tokens
+    if name == "search" and not search.retriever:
+        raise EvalError("--task search --load needs --retriever (a corpus jsonl or the http:// URL of a "
+                        "retriever service)")
+    search.check_retriever()
     try:
         task.make_env(rows[0])  # builds the retriever (loads and indexes a corpus)
     except (ImportError, OSError, ValueError) as e:
-        what = f"--retriever {args.retriever}" if args.retriever else f"--task {args.task}"
+        what = f"--retriever {search.retriever}" if search.retriever else f"--task {name}"
         raise EvalError(f"{what}: {_reason(e)}") from e
     turn = getattr(task, "max_turn_tokens", None)
-    if args.max_new_tokens is not None and turn and args.max_new_tokens != turn:
+    if max_new is not None and turn and max_new != turn:
         logger.warning("--max-new-tokens %d is not used by --task %s: each model turn gets "
-                       "--max-turn-tokens %d (0: --max-new-tokens)", args.max_new_tokens,
-                       args.task, turn)
+                       "--max-turn-tokens %d (0: --max-new-tokens)", max_new, name, turn)
 
 
 def _generate_to_file(task, rows, backend, n: int, out_dir: str) -> list[list[str]]:
@@ -405,125 +419,183 @@ def write_report(out_dir: str, summary: dict, meta: dict, rows, correct) -> dict
 
 
 # ----------------------------------------------------------------------------------------------
-# CLI
+# the command line
 
 
-def _parse_fields(items: Sequence[str]) -> dict:
-    out = {}
-    for it in items or []:
-        if "=" not in it:
-            raise EvalError(f"--field expects canonical=column, got {it!r}")
-        k, v = it.split("=", 1)
-        out[k.strip()] = v.strip()
-    return out
+@dataclass
+class EvalOptions:
+    """What is evaluated (precomputed responses or a model's) and where the results go."""
+
+    out: str = option()
+    """Output directory."""
+    responses: Optional[str] = option(None)
+    """jsonl of precomputed responses."""
+    load: Optional[str] = option(None, metavar="CKPT")
+    """Checkpoint to sample from (needs emapg_megatron.rollout)."""
+    k: Optional[str] = option(None)
+    """Comma-separated k values (default 1,2,4,..,N)."""
+    verbose: bool = option(False, aliases=("-v",))
+    """Log more, and print the traceback under an error."""
+
+
+@dataclass
+class MathGrading(PromptConfig):
+    """math: how answers are graded (the reward without its format bonus)."""
+
+    timeout: float = option(DEFAULT_TIMEOUT, range=above(0))
+    """math: per-check timeout (s)."""
+    num_workers: Optional[int] = option(None, flag="--workers", range=at_least(1))
+    """math: verifier processes (default: $EMAPG_MATH_WORKERS, else min(4, CPUs))."""
+    think_end_tag: Optional[str] = option(None)
+    """math: only grade text after this tag."""
+
+    def task_config(self) -> MathConfig:
+        """The math task's config: these fields, and the task's defaults for the others."""
+        return MathConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+
+
+@dataclass
+class EvalTask:
+    """The task evaluated and its data."""
+
+    name: str = option(flag="--task")
+    """math | search (or a registered task)."""
+    data_path: tuple[str, ...] = option(deprecated=("--data",))
+    """parquet/jsonl file(s)."""
+    on_bad_row: str = option("skip", choices=("skip", "error"))
+    """A row that cannot be used (a missing field, a bad value): skip it (reported) or stop."""
+    limit: Optional[int] = option(None, range=at_least(1))
+    """At most this many rows per file."""
+    columns: DataColumns = field(default_factory=DataColumns)
+    math: MathGrading = field(default_factory=MathGrading)
+    search: SearchConfig = field(default_factory=SearchConfig)
+
+    def task_config(self) -> MathConfig | SearchConfig | None:
+        """The config of --task math or search (None: a registered task's own defaults)."""
+        if self.name == "math":
+            return self.math.task_config()
+        return self.search if self.name == "search" else None
+
+
+@dataclass
+class Sampling:
+    """Generation with --load, as the trainer samples (--temperature 0: greedy)."""
+
+    num_samples: int = option(flag="--num-samples-per-prompt", deprecated=("--n-samples",),
+                              range=at_least(1))
+    """Responses per prompt (N): the first N of --responses, or N sampled with --load."""
+    temperature: float = option(1.0, range=at_least(0))
+    """Sampling temperature; 0: greedy."""
+    top_p: float = option(1.0, range=between(0, 1, low_open=True))
+    """Nucleus sampling threshold in (0, 1]."""
+    max_new_tokens: Optional[int] = option(None, range=at_least(1))
+    """Tokens of a single-turn response (default 1024); search: each turn's budget only with
+    --max-turn-tokens 0."""
+    seed: int = option(0, range=ANY_NUMBER)
+    """Seed of the sampling."""
+
+
+@dataclass
+class EvaluateConfig:
+    """An evaluation: its options, the task and its data, the sampling."""
+
+    run: EvalOptions
+    task: EvalTask
+    sampling: Sampling
+
+    def check(self) -> None:
+        """Each option against its declaration, and one source of responses."""
+        for part in configurable.components(self):
+            configurable.check_fields(part)
+        if (self.run.responses is None) == (self.run.load is None):
+            raise ConfigError("give one of --responses FILE or --load CKPT")
+
+
+class _DeprecatedField(argparse.Action):
+    """``--field NAME=COLUMN``, the old spelling of --prompt-key (``question=``) and
+    --answer-key (``ground_truth=`` / ``golden_answers=``)."""
+
+    KEYS = {"question": "prompt_key", "ground_truth": "answer_key", "golden_answers": "answer_key"}
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        configurable.warn_deprecated(parser, option_string, "--prompt-key / --answer-key")
+        name, sep, column = value.partition("=")
+        dest = self.KEYS.get(name.strip())
+        if not sep or dest is None:
+            raise ConfigError(f"--field expects question=COLUMN (--prompt-key) or ground_truth=COLUMN / "
+                              f"golden_answers=COLUMN (--answer-key), got {value!r}")
+        setattr(namespace, dest, column.strip())
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m emapg_megatron.evaluate", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--task", required=True, help="math | search (or a registered task)")
-    ap.add_argument("--data", required=True, nargs="+", help="parquet/jsonl file(s)")
-    src = ap.add_mutually_exclusive_group(required=True)
-    src.add_argument("--responses", help="jsonl of precomputed responses")
-    src.add_argument("--load", metavar="CKPT", help="checkpoint to sample from (needs emapg_megatron.rollout)")
-    ap.add_argument("--n-samples", type=int, required=True, help="samples per problem (N)")
-    ap.add_argument("--out", required=True, help="output directory")
-    ap.add_argument("--k", default=None, help="comma-separated k values (default 1,2,4,..,N)")
-    ap.add_argument("--field", action="append", default=[], metavar="NAME=COLUMN",
-                    help="map a canonical field to a column (dotted paths reach nested fields)")
-    ap.add_argument("--on-bad-row", choices=["skip", "error"], default="skip")
-    ap.add_argument("--limit", type=int, default=None, help="at most this many rows per file")
-    # task options
-    ap.add_argument("--timeout", type=float, default=None, help="math: per-check timeout (s)")
-    ap.add_argument("--workers", type=int, default=None, help="math: verifier processes")
-    ap.add_argument("--think-end-tag", default=None, help="math: only grade text after this tag")
-    ap.add_argument("--retriever", default=None, help="search: corpus jsonl or http:// URL (--load only)")
-    ap.add_argument("--max-turns", type=int, default=None, help="search: model turns per episode")
-    ap.add_argument("--max-turn-tokens", type=int, default=None,
-                    help="search: token budget of one model turn (default: the task's own; "
-                         "0: --max-new-tokens)")
-    # generation options (--load)
-    ap.add_argument("--temperature", type=float, default=1.0, help="sampling temperature; 0: greedy")
-    ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold in (0, 1]")
-    ap.add_argument("--max-new-tokens", type=int, default=None,
-                    help=f"tokens of a single-turn response (default {DEFAULT_MAX_NEW_TOKENS}); "
-                         "search: each turn's budget only with --max-turn-tokens 0")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("-v", "--verbose", action="store_true")
-    return ap
+    parser = configurable.ArgumentParser(prog="python -m emapg_megatron.evaluate",
+                                         description=__doc__.split("\n\n")[0],
+                                         formatter_class=configurable.HelpFormatter)
+    configurable.add_arguments(parser, EvaluateConfig)
+    parser.add_argument("--field", action=_DeprecatedField, dest=argparse.SUPPRESS, metavar="NAME=COLUMN",
+                        help=argparse.SUPPRESS)
+    return parser
 
 
-def _make_task(args) -> Any:
-    kw: dict = {}
-    if args.task == "math":
-        if args.timeout is not None:
-            kw["timeout"] = args.timeout
-        if args.workers is not None:
-            kw["num_workers"] = args.workers
-        if args.think_end_tag:
-            kw["think_end_tag"] = args.think_end_tag
-    elif args.task == "search":
-        if args.retriever:
-            kw["retriever"] = args.retriever
-        if args.max_turns is not None:
-            kw["max_turns"] = args.max_turns
-        if args.max_turn_tokens is not None:
-            if args.max_turn_tokens < 0:
-                raise EvalError("--max-turn-tokens must be >= 0 (0: --max-new-tokens)")
-            kw["max_turn_tokens"] = args.max_turn_tokens
+def parse_args(argv: Optional[Sequence[str]] = None) -> EvaluateConfig:
+    """The evaluation's config from ``argv``, checked (ConfigError with one line)."""
+    cfg = configurable.build(EvaluateConfig, vars(build_parser().parse_args(argv)))
+    cfg.check()
+    return cfg
+
+
+def _make_task(cfg: EvalTask) -> Any:
+    config = cfg.task_config()
     try:
-        return get_task(args.task, **kw)
-    except ImportError as e:
-        raise EvalError(str(e)) from None
-    except ValueError as e:
+        return get_task(cfg.name) if config is None else get_task(cfg.name, config=config)
+    except (ImportError, ValueError) as e:
         raise EvalError(str(e)) from None
 
 
-def run(args) -> dict:
-    if args.n_samples < 1:
-        raise EvalError("--n-samples must be >= 1")
-    if args.max_new_tokens is not None and args.max_new_tokens < 1:
-        raise EvalError("--max-new-tokens must be >= 1")
-    ks = default_ks(args.n_samples) if not args.k else _check(
-        [int(x) for x in args.k.split(",") if x.strip()], args.n_samples)
-    task = _make_task(args)
+def run(cfg: EvaluateConfig) -> dict:
+    opts, data, sampling = cfg.run, cfg.task, cfg.sampling
+    n = sampling.num_samples
+    ks = default_ks(n) if not opts.k else _check([int(x) for x in opts.k.split(",") if x.strip()], n)
+    task = _make_task(data)
     try:
-        fields = _parse_fields(args.field)
         try:
-            ds = task.load(args.data if len(args.data) > 1 else args.data[0], fields=fields,
-                           on_bad_row=args.on_bad_row, limit=args.limit)
+            ds = task.load(data.data_path if len(data.data_path) > 1 else data.data_path[0],
+                           fields=data.columns.fields(data.name), on_bad_row=data.on_bad_row,
+                           limit=data.limit)
         except (FileNotFoundError, KeyError, ValueError) as e:
             raise EvalError(str(e).strip('"')) from None
         rows = ds.to_list()
         if not rows:
             raise EvalError("no rows to evaluate")
-        if args.responses:
-            responses = read_responses(args.responses, rows, args.n_samples)
-            source = {"responses": os.path.abspath(args.responses)}
+        if opts.responses:
+            responses = read_responses(opts.responses, rows, n)
+            source = {"responses": os.path.abspath(opts.responses)}
         else:
-            _prepare_load(task, args, rows)
-            max_new = DEFAULT_MAX_NEW_TOKENS if args.max_new_tokens is None else args.max_new_tokens
-            backend = load_backend(args.load, temperature=args.temperature, top_p=args.top_p,
-                                   max_new_tokens=max_new, seed=args.seed)
-            responses = _generate_to_file(task, rows, backend, args.n_samples, args.out)
-            source = {"checkpoint": args.load}
+            _prepare_load(task, cfg, rows)
+            max_new = DEFAULT_MAX_NEW_TOKENS if sampling.max_new_tokens is None else sampling.max_new_tokens
+            backend = load_backend(opts.load, temperature=sampling.temperature, top_p=sampling.top_p,
+                                   max_new_tokens=max_new, seed=sampling.seed)
+            responses = _generate_to_file(task, rows, backend, n, opts.out)
+            source = {"checkpoint": opts.load}
         correct = score(task, rows, responses)
     finally:
         task.close()
     summary = summarize(rows, correct, ks)
-    meta = {"task": args.task, "data": [os.path.abspath(d) for d in args.data],
-            "n_samples": args.n_samples, **source}
-    paths = write_report(args.out, summary, meta, rows, correct)
+    meta = {"task": data.name, "data": [os.path.abspath(d) for d in data.data_path], "n_samples": n, **source}
+    paths = write_report(opts.out, summary, meta, rows, correct)
     return {"summary": summary, "paths": paths}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+    verbose = False
     try:
-        out = run(args)
-    except EvalError as e:
-        if args.verbose and e.__cause__ is not None:
+        cfg = parse_args(argv)
+        verbose = cfg.run.verbose
+        logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                            format="%(levelname)s %(name)s: %(message)s")
+        out = run(cfg)
+    except (ConfigError, EvalError) as e:
+        if verbose and e.__cause__ is not None:
             traceback.print_exception(e.__cause__)
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -31,9 +31,9 @@ eval_data_files
 
 emapg_evaluate \
     --task math \
-    --data "${DATA[@]}" \
+    --data-path "${DATA[@]}" \
     --load "$HF_DIR" \
-    --n-samples "$N_SAMPLES" \
+    --num-samples-per-prompt "$N_SAMPLES" \
     --temperature 0.8 \
     --top-p 0.9 \
     --max-new-tokens "$MAX_NEW_TOKENS" \

@@ -23,11 +23,11 @@ eval_data_files
 
 emapg_evaluate \
     --task search \
-    --data "${DATA[@]}" \
+    --data-path "${DATA[@]}" \
     --load "$HF_DIR" \
     --retriever "$RETRIEVER" \
     --max-turns 4 \
-    --n-samples 1 \
+    --num-samples-per-prompt 1 \
     --temperature 0.0 \
     --top-p 1.0 \
     --max-new-tokens 500 \

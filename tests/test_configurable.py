@@ -4,6 +4,7 @@ parser they replaced is still accepted with its default, every option declares i
 check runs before any work, YAML takes aliases, and the config layer imports no Megatron."""
 
 import contextlib
+import dataclasses
 import io
 import json
 import math
@@ -196,3 +197,76 @@ def test_a_missing_retriever_corpus_is_refused_before_any_work(tmp_path):
                          "--retriever", str(tmp_path / "missing.jsonl"))
     assert code == 2 and err == (f"error: --retriever {tmp_path / 'missing.jsonl'}: no such corpus file "
                                  "(give a jsonl corpus or the http:// URL of a retriever service)")
+
+
+@dataclass
+class _Shared:
+    """A base whose option its components share."""
+
+    style: str = option("x", choices=("x", "y"))
+    """Which style."""
+
+
+@dataclass
+class _Left(_Shared):
+    """The left component."""
+
+    width: int = option(1, range=at_least(1))
+    """How wide."""
+
+
+@dataclass
+class _Right(_Shared):
+    """The right component."""
+
+    files: tuple[str, ...] = option(("f",), deprecated=("--old-files",))
+    """One file or more."""
+
+
+@dataclass
+class _Both:
+    """Two components sharing --style."""
+
+    left: _Left = dataclasses.field(default_factory=_Left)
+    right: _Right = dataclasses.field(default_factory=_Right)
+
+
+@dataclass
+class _Required:
+    """A component with a required option."""
+
+    name: str = option()
+    """No default: the flag is required."""
+
+
+def _parser(tree):
+    parser = configurable.ArgumentParser()
+    configurable.add_arguments(parser, tree)
+    return parser
+
+
+def test_an_option_inherited_by_several_components_is_one_flag_they_all_get():
+    parser = _parser(_Both)
+    both = configurable.build(_Both, vars(parser.parse_args(["--style", "y", "--files", "a", "b"])))
+    assert (both.left.style, both.right.style, both.right.files) == ("y", "y", ("a", "b"))
+    assert [s for a in parser._actions for s in a.option_strings].count("--style") == 1
+    (home,) = [g for g in parser._action_groups if any("--style" in a.option_strings for a in g._group_actions)]
+    assert home.title == "run"  # the closest component holding both: here the root
+
+
+def test_an_option_without_a_default_needs_a_value():
+    cfg = configurable.build(_Required, vars(_parser(_Required).parse_args([])))
+    with pytest.raises(ConfigError, match="^--name needs a value$"):
+        configurable.check_fields(cfg)
+    assert configurable.build(_Required, vars(_parser(_Required).parse_args(["--name", "a"]))).name == "a"
+
+
+def test_a_deprecated_spelling_still_parses_and_says_once_what_replaces_it():
+    parser = _parser(_Both)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        old = vars(parser.parse_args(["--old-files", "a", "--old-files", "b", "c"]))
+    assert configurable.build(_Both, old) == configurable.build(_Both, vars(_parser(_Both).parse_args(
+        ["--files", "b", "c"])))
+    assert err.getvalue() == "warning: --old-files is deprecated: use --files\n"
+    assert "--old-files" not in parser.format_help() and "--files" in parser.format_help()

@@ -163,10 +163,10 @@ def test_eval(tmp_path, script, task, data):
     assert f"mcore-to-hf --load {tmp_path / 'ckpt'} --out {tmp_path / 'ckpt'}-hf" in out.stderr
     line = out.stdout.strip()
     assert line.startswith(f"dry run: python -m emapg_megatron.evaluate --task {task} "
-                           f"--data {os.path.join(SAMPLES, data)} --load {tmp_path / 'ckpt'}-hf")
+                           f"--data-path {os.path.join(SAMPLES, data)} --load {tmp_path / 'ckpt'}-hf")
     if task == "math":
-        assert "--n-samples 32 --temperature 0.8 --top-p 0.9 --max-new-tokens 28000 --seed 429" in line
+        assert "--num-samples-per-prompt 32 --temperature 0.8 --top-p 0.9 --max-new-tokens 28000 --seed 429" in line
     else:
-        assert "--max-turns 4 --n-samples 1 --temperature 0.0" in line
+        assert "--max-turns 4 --num-samples-per-prompt 1 --temperature 0.0" in line
     out = _run(script, {**env, "EVAL_FILES": "missing.jsonl"})
     assert out.returncode != 0 and "not found" in out.stderr

@@ -1,13 +1,18 @@
 """RL tasks: prompts, rewards, environments and data loading (no Megatron, no torch).
 
 * :mod:`.base` - the :class:`Task` / :class:`Environment` interface and trajectory masks.
+* :mod:`.config` - the tasks' configs (:class:`TaskConfig` for the trainer, :class:`MathConfig`,
+  :class:`SearchConfig`): the one declaration of every task flag.
 * :mod:`.data` - loading local parquet/jsonl into ``datasets.Dataset`` with bad-row reporting.
-* :mod:`.math` - math reward (``math-verify`` in a timed worker pool) and :class:`MathTask`.
+* :mod:`.math` - math reward and :class:`MathTask`; :mod:`.math_answers` extracts and compares
+  answers as text, :mod:`.math_verifier` runs ``math-verify`` in a timed worker pool.
 * :mod:`.search` - Search-R1 environment, QA reward and :class:`SearchTask`.
-* :mod:`.retriever` - BM25 (``bm25s``) retriever, its loopback HTTP service and client.
+* :mod:`.retriever` - BM25 (``bm25s``) retriever, its loopback HTTP service and client
+  (:mod:`.retrieval`, a module per concern).
 * :mod:`.passk` - the unbiased pass@k estimator.
 
 Heavy modules (``math``, ``search``, ``retriever``) are imported on first use.
+``get_task(name, config=...)`` builds a task on its config (or ``**overrides`` of its fields).
 """
 from __future__ import annotations
 
@@ -70,7 +75,8 @@ def available_tasks() -> list[str]:
 
 
 def get_task(name: str, **kwargs: Any) -> Task:
-    """Build a task by name (``math``, ``search``, or a registered one) with config overrides."""
+    """Build a task by name (``math``, ``search``, or a registered one): ``config=`` its config,
+    and/or overrides of the config's fields."""
     try:
         factory = _REGISTRY[name]
     except KeyError:

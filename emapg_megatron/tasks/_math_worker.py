@@ -1,7 +1,7 @@
 """Math-equivalence worker: runs ``math_verify`` in a separate process.
 
 This file is self-contained on purpose (stdlib + ``math_verify`` only, no package-relative
-imports): the pool in :mod:`emapg_megatron.tasks.math` starts it with
+imports): the pool in :mod:`emapg_megatron.tasks.math_verifier` starts it with
 ``python -P -c 'runpy.run_path(<this file>)'`` so the child never imports the trainer's
 ``__main__`` (the usual spawn/forkserver pitfall) and never sees ``tasks/math.py`` shadowing
 the stdlib ``math`` module.

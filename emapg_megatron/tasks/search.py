@@ -35,7 +35,7 @@ import logging
 import os
 import re
 import string
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Mapping, Optional, Sequence, Union
 
 from .base import (
@@ -48,7 +48,7 @@ from .base import (
     encode_text,
     render_prompt,
 )
-from .config import DEFAULT_MAX_TURNS
+from .config import SEARCH_R1_INSTRUCTION, SearchConfig
 from .retriever import Retriever, format_passages, make_retriever
 
 logger = logging.getLogger(__name__)
@@ -65,6 +65,7 @@ __all__ = [
     "SearchEnv",
     "SearchTask",
     "INVALID_ACTION_MESSAGE",
+    "SEARCH_R1_INSTRUCTION",
 ]
 
 # ----------------------------------------------------------------------------------------------
@@ -189,38 +190,6 @@ def parse_action(text: str) -> Action:
 
 # ----------------------------------------------------------------------------------------------
 # environment
-
-SEARCH_R1_INSTRUCTION = (
-    "Answer the given question. You must conduct reasoning inside <think> and </think> first every "
-    "time you get new information. After reasoning, if you find you lack some knowledge, you can "
-    "call a search engine by <search> query </search> and it will return the top searched results "
-    "between <information> and </information>. You can search as many times as your want. If you "
-    "find no further external knowledge needed, you can directly provide the answer inside "
-    "<answer> and </answer>, without detailed illustrations. For example, <answer> Beijing "
-    "</answer>. Question: {question}\n"
-)
-
-
-@dataclass
-class SearchConfig:
-    #: max model turns per episode (at most max_turns - 1 searches)
-    max_turns: int = DEFAULT_MAX_TURNS
-    #: per-turn token budget (sampler max_new_tokens; enforced by the env when it has a tokenizer);
-    #: None or 0: the sampler's own max_new_tokens (the trainer's and evaluate's --max-turn-tokens 0)
-    max_turn_tokens: Optional[int] = 500
-    #: observation token budget (enforced when the env has a tokenizer)
-    max_obs_tokens: Optional[int] = 500
-    topk: int = 3
-    #: "em" or "f1"
-    metric: str = "em"
-    instruction: str = SEARCH_R1_INSTRUCTION
-    chat_template: str = "auto"
-    system: Optional[str] = None
-    plain_template: str = "{content}"
-    #: a corpus jsonl path (in-process BM25) or an http:// URL of a retriever service
-    retriever: Optional[str] = None
-    fields: dict = field(default_factory=lambda: {
-        "question": "question", "golden_answers": "golden_answers", "data_source": "data_source"})
 
 
 def _information(passages: Sequence[dict]) -> str:

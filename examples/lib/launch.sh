@@ -52,12 +52,16 @@ emapg_evaluate() {  # emapg_evaluate EVALUATE_FLAGS...
 import os
 import sys
 
-from emapg_megatron.evaluate import build_parser
+from emapg_megatron.errors import ConfigError
+from emapg_megatron.evaluate import parse_args
 
-args = build_parser().parse_args(sys.argv[1:])
-missing = [d for d in args.data if not os.path.exists(d)]
+try:
+    cfg = parse_args(sys.argv[1:])
+except ConfigError as e:
+    sys.exit(f"error: {e}")
+missing = [d for d in cfg.task.data_path if not os.path.exists(d)]
 if missing:
-    sys.exit(f"error: --data file(s) not found: {' '.join(missing)}")
+    sys.exit(f"error: --data-path file(s) not found: {' '.join(missing)}")
 print("dry run: python -m emapg_megatron.evaluate " + " ".join(sys.argv[1:]))
 PY
         return

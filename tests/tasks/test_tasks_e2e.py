@@ -59,8 +59,8 @@ def test_evaluate_load_runs_on_cpu_with_the_megatron_sampler(tiny_hf, tmp_path):
 
     out = tmp_path / "eval"
     r = subprocess.run([sys.executable, "-m", "emapg_megatron.evaluate", "--task", "math",
-                        "--data", os.path.join(SAMPLES, "math.jsonl"), "--load", tiny_hf,
-                        "--n-samples", "2", "--max-new-tokens", "6", "--out", str(out)],
+                        "--data-path", os.path.join(SAMPLES, "math.jsonl"), "--load", tiny_hf,
+                        "--num-samples-per-prompt", "2", "--max-new-tokens", "6", "--out", str(out)],
                        capture_output=True, text=True, timeout=300,
                        env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert r.returncode == 0, r.stderr[-3000:]

@@ -1,6 +1,9 @@
 """The evaluate CLI on the sample files (no model needed)."""
+import contextlib
+import io
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -16,9 +19,9 @@ S = os.path.join(ROOT, "data", "samples")
 def test_math_sample_end_to_end(tmp_path):
     pytest.importorskip("math_verify")
     out = tmp_path / "math"
-    rc = evaluate.main(["--task", "math", "--data", os.path.join(S, "math.jsonl"),
+    rc = evaluate.main(["--task", "math", "--data-path", os.path.join(S, "math.jsonl"),
                         "--responses", os.path.join(S, "math_responses.jsonl"),
-                        "--n-samples", "4", "--out", str(out), "--workers", "2"])
+                        "--num-samples-per-prompt", "4", "--out", str(out), "--workers", "2"])
     assert rc == 0
     res = json.loads((out / "results.json").read_text())
     assert res["ks"] == [1, 2, 4]
@@ -42,8 +45,8 @@ def test_math_sample_end_to_end(tmp_path):
 def test_search_sample_subprocess(tmp_path):
     out = tmp_path / "search"
     proc = subprocess.run(
-        [sys.executable, "-m", "emapg_megatron.evaluate", "--task", "search", "--data", os.path.join(S, "qa.jsonl"),
-         "--responses", os.path.join(S, "search_responses.jsonl"), "--n-samples", "2", "--k", "1,2",
+        [sys.executable, "-m", "emapg_megatron.evaluate", "--task", "search", "--data-path", os.path.join(S, "qa.jsonl"),
+         "--responses", os.path.join(S, "search_responses.jsonl"), "--num-samples-per-prompt", "2", "--k", "1,2",
          "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )
@@ -61,19 +64,19 @@ def test_load_of_a_non_hf_directory_is_a_one_line_error(tmp_path, capsys):
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("vLLM is installed: --load goes to the vLLM backend")
     pytest.importorskip("bm25s")
-    rc = evaluate.main(["--task", "search", "--data", os.path.join(S, "qa.jsonl"), "--load", "/no/ckpt",
-                        "--retriever", os.path.join(S, "corpus.jsonl"), "--n-samples", "2", "--out", str(tmp_path)])
+    rc = evaluate.main(["--task", "search", "--data-path", os.path.join(S, "qa.jsonl"), "--load", "/no/ckpt",
+                        "--retriever", os.path.join(S, "corpus.jsonl"), "--num-samples-per-prompt", "2", "--out", str(tmp_path)])
     assert rc == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "not a Hugging Face directory" in err and "\n" not in err
 
 
 def test_too_few_responses_is_reported(tmp_path, capsys):
-    rc = evaluate.main(["--task", "search", "--data", os.path.join(S, "qa.jsonl"),
+    rc = evaluate.main(["--task", "search", "--data-path", os.path.join(S, "qa.jsonl"),
                         "--responses", os.path.join(S, "search_responses.jsonl"),
-                        "--n-samples", "8", "--out", str(tmp_path)])
+                        "--num-samples-per-prompt", "8", "--out", str(tmp_path)])
     assert rc == 2
-    assert "fewer than --n-samples 8" in capsys.readouterr().err
+    assert "fewer than --num-samples-per-prompt 8" in capsys.readouterr().err
 
 
 def test_responses_flat_format_and_missing_field(tmp_path, capsys):
@@ -85,14 +88,14 @@ def test_responses_flat_format_and_missing_field(tmp_path, capsys):
         {"index": 0, "response": "<answer>a</answer>"}, {"index": 0, "response": "<answer>x</answer>"},
         {"index": 2, "response": "<answer>b</answer>"}, {"index": 2, "response": "<answer>b</answer>"}]) + "\n")
     out = tmp_path / "o"
-    rc = evaluate.main(["--task", "search", "--data", str(data), "--responses", str(resp),
-                        "--n-samples", "2", "--out", str(out)])
+    rc = evaluate.main(["--task", "search", "--data-path", str(data), "--responses", str(resp),
+                        "--num-samples-per-prompt", "2", "--out", str(out)])
     assert rc == 0
     res = json.loads((out / "results.json").read_text())
     assert res["overall"]["n_problems"] == 2  # row 1 skipped (reported), rows 0 and 2 scored
     assert res["overall"]["pass@1"] == pytest.approx((0.5 + 1.0) / 2)
-    rc = evaluate.main(["--task", "search", "--data", str(data), "--responses", str(resp),
-                        "--n-samples", "2", "--out", str(out), "--on-bad-row", "error"])
+    rc = evaluate.main(["--task", "search", "--data-path", str(data), "--responses", str(resp),
+                        "--num-samples-per-prompt", "2", "--out", str(out), "--on-bad-row", "error"])
     assert rc == 2 and "index 1 (missing 'golden_answers')" in capsys.readouterr().err
 
 
@@ -143,8 +146,8 @@ def _one_error_line(capsys) -> str:
 def test_hostile_responses_file_is_one_error_line(tmp_path, capsys, content, message):
     resp = tmp_path / "r.jsonl"
     resp.write_bytes(content)
-    rc = evaluate.main(["--task", "search", "--data", os.path.join(S, "qa.jsonl"), "--responses", str(resp),
-                        "--n-samples", "1", "--out", str(tmp_path / "o")])
+    rc = evaluate.main(["--task", "search", "--data-path", os.path.join(S, "qa.jsonl"), "--responses", str(resp),
+                        "--num-samples-per-prompt", "1", "--out", str(tmp_path / "o")])
     assert rc == 2
     assert f"{resp}: {message}" in _one_error_line(capsys)
 
@@ -159,8 +162,8 @@ def test_search_load_flags_are_checked_before_the_model(tmp_path, capsys, monkey
     """Checked before the model loads (the checkpoint here does not even exist)."""
     pytest.importorskip("bm25s")
     monkeypatch.setattr(evaluate, "load_backend", lambda *a, **k: pytest.fail("model loaded first"))
-    rc = evaluate.main(["--task", "search", "--data", os.path.join(S, "qa.jsonl"), "--load", "/no/ckpt",
-                        "--n-samples", "1", "--out", str(tmp_path), *extra])
+    rc = evaluate.main(["--task", "search", "--data-path", os.path.join(S, "qa.jsonl"), "--load", "/no/ckpt",
+                        "--num-samples-per-prompt", "1", "--out", str(tmp_path), *extra])
     assert rc == 2 and message in _one_error_line(capsys)
 
 
@@ -199,8 +202,8 @@ def _load_fake(monkeypatch, **fake_kwargs):
 def test_search_turn_budget_flags(tmp_path, monkeypatch, capsys, flags, load_budget, turn_budget):
     pytest.importorskip("bm25s")
     made = _load_fake(monkeypatch)
-    rc = evaluate.main(["--task", "search", "--data", os.path.join(S, "qa.jsonl"), "--load", "ckpt",
-                        "--retriever", os.path.join(S, "corpus.jsonl"), "--limit", "2", "--n-samples", "2",
+    rc = evaluate.main(["--task", "search", "--data-path", os.path.join(S, "qa.jsonl"), "--load", "ckpt",
+                        "--retriever", os.path.join(S, "corpus.jsonl"), "--limit", "2", "--num-samples-per-prompt", "2",
                         "--out", str(tmp_path), *flags])
     assert rc == 0
     assert made[0].load_kwargs["max_new_tokens"] == load_budget
@@ -230,8 +233,8 @@ def test_turn_budget_zero_leaves_the_turn_to_the_sampler():
 def test_unused_max_new_tokens_is_named(tmp_path, monkeypatch, caplog):
     pytest.importorskip("bm25s")
     _load_fake(monkeypatch)
-    rc = evaluate.main(["--task", "search", "--data", os.path.join(S, "qa.jsonl"), "--load", "ckpt",
-                        "--retriever", os.path.join(S, "corpus.jsonl"), "--limit", "1", "--n-samples", "1",
+    rc = evaluate.main(["--task", "search", "--data-path", os.path.join(S, "qa.jsonl"), "--load", "ckpt",
+                        "--retriever", os.path.join(S, "corpus.jsonl"), "--limit", "1", "--num-samples-per-prompt", "1",
                         "--max-new-tokens", "2048", "--out", str(tmp_path)])
     assert rc == 0
     assert "--max-new-tokens 2048 is not used by --task search: each model turn gets " \
@@ -242,8 +245,8 @@ def test_generation_failure_is_one_line_and_keeps_finished_rows(tmp_path, monkey
     pytest.importorskip("bm25s")
     monkeypatch.setattr(evaluate, "_GEN_CHUNK", 4)  # 2 rows x 2 samples a call
     _load_fake(monkeypatch, fail_on_call=2)
-    rc = evaluate.main(["--task", "search", "--data", os.path.join(S, "qa.jsonl"), "--load", "ckpt",
-                        "--n-samples", "2", "--limit", "4", "--out", str(tmp_path),
+    rc = evaluate.main(["--task", "search", "--data-path", os.path.join(S, "qa.jsonl"), "--load", "ckpt",
+                        "--num-samples-per-prompt", "2", "--limit", "4", "--out", str(tmp_path),
                         "--retriever", os.path.join(S, "corpus.jsonl")])
     assert rc == 2
     out = tmp_path / "responses.jsonl"
@@ -290,7 +293,7 @@ def test_load_errors_on_the_cpu_megatron_backend_are_one_line(tiny_hf, tmp_path)
     broken = tmp_path / "broken"
     shutil.copytree(tiny_hf, broken)
     (broken / "model.safetensors").write_bytes(b"\x00" * 16)
-    common = ["--task", "math", "--data", os.path.join(S, "math.jsonl"), "--limit", "1", "--n-samples", "1"]
+    common = ["--task", "math", "--data-path", os.path.join(S, "math.jsonl"), "--limit", "1", "--num-samples-per-prompt", "1"]
     for ckpt, flags, message in [
         (str(broken), [], f"error: corrupt safetensors file {broken}"),
         (tiny_hf, ["--max-new-tokens", "5000"], "error: generation failed (prompt + 5000 new tokens = "),
@@ -302,10 +305,89 @@ def test_load_errors_on_the_cpu_megatron_backend_are_one_line(tiny_hf, tmp_path)
 
 @pytest.mark.slow
 def test_search_load_on_the_cpu_megatron_backend(tiny_hf, tmp_path):
-    r = _evaluate_subprocess("--task", "search", "--data", os.path.join(S, "qa.jsonl"), "--load", tiny_hf,
-                             "--retriever", os.path.join(S, "corpus.jsonl"), "--limit", "2", "--n-samples", "2",
+    r = _evaluate_subprocess("--task", "search", "--data-path", os.path.join(S, "qa.jsonl"), "--load", tiny_hf,
+                             "--retriever", os.path.join(S, "corpus.jsonl"), "--limit", "2", "--num-samples-per-prompt", "2",
                              "--max-turns", "2", "--max-turn-tokens", "4", "--out", str(tmp_path))
     assert r.returncode == 0, r.stderr[-3000:]
     assert "generated 4/4 responses (100%)" in r.stderr
     lines = [json.loads(x) for x in (tmp_path / "responses.jsonl").read_text().splitlines()]
     assert len(lines) == 2 and all(len(x["responses"]) == 2 for x in lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# the command line: generated from the configs the trainer's flags come from
+
+GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "evaluate_flags_at_27093d3.json")
+# settings only an evaluation has (they keep their names)
+EVALUATE_ONLY = {"--out", "--k", "--responses", "--load", "--on-bad-row", "--limit", "--workers", "--timeout",
+                 "--think-end-tag", "-v", "--verbose", "-h", "--help"}
+# settings both have, which must read alike in both --help texts
+SHARED = {"--task", "--data-path", "--prompt-key", "--answer-key", "--chat-template", "--num-samples-per-prompt",
+          "--temperature", "--top-p", "--max-new-tokens", "--seed", "--max-turns", "--max-turn-tokens",
+          "--max-obs-tokens", "--retriever", "--retriever-topk"}
+
+
+def _help_flags(parser) -> dict:
+    """``{flag: dest}`` of the flags ``--help`` shows (each option's line starts with two spaces)."""
+    shown = {s for line in parser.format_help().splitlines() if line.startswith("  -")
+             for s in re.findall(r"(?:^|, )(--?[\w-]+)", line.strip())}
+    return {s: a.dest for a in parser._actions for s in a.option_strings if s in shown}
+
+
+def _parse_quietly(argv):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        cfg = evaluate.parse_args(argv)
+    return cfg, err.getvalue()
+
+
+def test_evaluate_and_train_help_name_a_setting_alike():
+    from emapg_megatron.arguments import build_parser as train_parser
+
+    ev, tr = _help_flags(evaluate.build_parser()), _help_flags(train_parser())
+    assert set(ev) - set(tr) <= EVALUATE_ONLY, set(ev) - set(tr) - EVALUATE_ONLY  # no other name of its own
+    assert SHARED <= set(ev) & set(tr)
+    assert all(ev[flag] == tr[flag] for flag in SHARED)  # and parsed into the same name
+    golden = json.load(open(GOLDEN))
+    assert not set(golden["renamed"]) & set(ev)  # the old spellings are not offered
+
+
+def test_every_old_evaluate_flag_still_parses():
+    golden = json.load(open(GOLDEN))
+    accepted = {s for a in evaluate.build_parser()._actions for s in a.option_strings}
+    old = {name for names in golden["flags"] for name in names.split(",")}
+    assert old <= accepted, old - accepted
+    used = {a for line in golden["command_lines"] for a in line["old"] if a.startswith("-")}
+    assert used == old  # the command lines below use every old spelling
+
+
+@pytest.mark.parametrize("line", range(2))
+def test_old_spellings_build_the_same_config_with_one_warning_each(line):
+    golden = json.load(open(GOLDEN))
+    old, new = golden["command_lines"][line]["old"], golden["command_lines"][line]["new"]
+    old_cfg, warnings = _parse_quietly(old)
+    new_cfg, none = _parse_quietly(new)
+    assert old_cfg == new_cfg and none == ""
+    used = [flag for flag in golden["renamed"] if flag in old]
+    assert warnings.splitlines() == [f"warning: {flag} is deprecated: use {golden['renamed'][flag]}" for flag in used]
+
+
+@pytest.mark.parametrize("argv,message", [
+    ([], "--out needs a value"),
+    (["--out", "o"], "--task needs a value"),
+    (["--out", "o", "--task", "math", "--data-path", "d"], "--num-samples-per-prompt needs a value"),
+    (["--out", "o", "--task", "math", "--data-path", "d", "--num-samples-per-prompt", "1"],
+     "give one of --responses FILE or --load CKPT"),
+    (["--out", "o", "--task", "math", "--data-path", "d", "--num-samples-per-prompt", "0", "--responses", "r"],
+     "--num-samples-per-prompt must be >= 1 (got 0)"),
+    (["--out", "o", "--task", "math", "--data-path", "d", "--num-samples-per-prompt", "1", "--responses", "r",
+      "--load", "c"], "give one of --responses FILE or --load CKPT"),
+    (["--out", "o", "--task", "math", "--data-path", "d", "--num-samples-per-prompt", "1", "--load", "c",
+      "--top-p", "0"], "--top-p must be in (0, 1] (got 0.0)"),
+    (["--out", "o", "--task", "math", "--data-path", "d", "--num-samples-per-prompt", "1", "--responses", "r",
+      "--field", "data_source=src"], "--field expects question=COLUMN"),
+], ids=["out", "task", "samples", "no-source", "zero-samples", "two-sources", "top-p", "field"])
+def test_bad_flags_are_one_error_line_before_any_work(capsys, argv, message):
+    assert evaluate.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"error: {message}"), err

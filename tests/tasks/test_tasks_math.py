@@ -7,6 +7,7 @@ import pytest
 pytest.importorskip("math_verify")
 
 from emapg_megatron.tasks import math as mt  # noqa: E402
+from emapg_megatron.tasks import math_verifier as mv  # noqa: E402
 from emapg_megatron.tasks.math import (  # noqa: E402
     MathTask,
     MathVerifierPool,
@@ -94,7 +95,7 @@ def test_reward_table(pool):
 
 
 def test_public_reward_api_default_pool():
-    # the documented entry point, with the process-wide pool
+    # the documented entry point, with a pool of the call's own
     assert reward("so \\boxed{\\frac{\\sqrt{2}}{2}}", "\\frac{1}{\\sqrt{2}}") == 1.0
     assert reward("so \\boxed{3}", "4") == 0.0
     assert isinstance(reward("x", "1"), float)
@@ -243,9 +244,9 @@ def test_math_task_end_to_end(tmp_path):
 
 def test_worker_does_not_import_trainer_main():
     # the worker runs by file path with -P: no package import, no __main__ re-execution
-    src = open(mt._WORKER_PATH).read()
+    src = open(mv._WORKER_PATH).read()
     assert "emapg_megatron" not in src.split('"""', 2)[2]
-    assert os.path.exists(mt._WORKER_PATH)
+    assert os.path.exists(mv._WORKER_PATH)
 
 
 @pytest.mark.parametrize(
@@ -263,7 +264,7 @@ def test_missing_math_verify_names_the_extra(monkeypatch):
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(mt, "_MV_FOUND", False)
+    mt.require_math_verify.cache_clear()  # forget that it was found
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "math_verify" else real(name, *a))
     with pytest.raises(ImportError, match=r"emapg-megatron\[math\]"):
         mt.reward("\\boxed{1}", "1")
@@ -274,7 +275,7 @@ def test_missing_math_verify_names_the_extra(monkeypatch):
 def test_worker_start_failure_is_reported_not_fatal(tmp_path, monkeypatch):
     bad = tmp_path / "broken_worker.py"
     bad.write_text("import sys\nsys.stderr.write('boom: cannot start\\n')\nsys.exit(3)\n")
-    monkeypatch.setattr(mt, "_WORKER_PATH", str(bad))
+    monkeypatch.setattr(mv, "_WORKER_PATH", str(bad))
     with MathVerifierPool(num_workers=1, timeout=1.0) as p:
         with pytest.raises(RuntimeError, match="boom: cannot start"):
             p.verify_many([(["\\boxed{1}"], "\\boxed{x}")])
@@ -300,3 +301,17 @@ def test_pool_created_in_a_thread():
 
     with ThreadPoolExecutor(1) as ex:
         assert ex.submit(work).result() == 1.0
+
+
+def test_a_dropped_task_or_pool_leaves_no_worker_behind():
+    """A pool belongs to whoever made it: dropping the task (or a pool) stops its workers."""
+    import gc
+
+    task = MathTask(timeout=3.0, num_workers=1)
+    task.pool.warmup()
+    task_workers = [w.proc for w in task.pool._workers]
+    pool = MathVerifierPool(num_workers=1, timeout=3.0)
+    pool_workers = [w.proc for w in pool._workers]
+    del task, pool
+    gc.collect()
+    assert all(p.poll() is not None for p in task_workers + pool_workers)

@@ -32,7 +32,12 @@ from .retrieval.protocol import (
     check_topk,
     parse_retrieve_request,
 )
-from .retrieval.server import DEFAULT_MAX_BODY, DEFAULT_REQUEST_TIMEOUT, LISTEN_BACKLOG, RetrieverServer
+from .retrieval.server import (
+    DEFAULT_MAX_BODY,
+    DEFAULT_REQUEST_TIMEOUT,
+    LISTEN_BACKLOG,
+    RetrieverServer,
+)
 
 __all__ = [
     "Retriever",

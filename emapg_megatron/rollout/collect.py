@@ -84,8 +84,8 @@ class Rollout:
     metrics: dict[str, float] = field(default_factory=dict)
     """The collector's per-step metrics, alike on every rank (partial/...)."""
     decode: dict[str, float] = field(default_factory=dict)
-    """What the engine's decoding cost (rollout_cache_waves, ...); none on a step that sampled
-    nothing."""
+    """What the engine's decoding cost this step (rollout_cache_waves, ...: zero counts on a step
+    that sampled nothing)."""
 
     def samples(self, rewards: list[float]) -> list[tuple[str, str, float]]:
         """``(prompt, response, reward)`` of each sequence, for rollout dumps."""
@@ -171,14 +171,13 @@ class PartialRollouts:
         dropped = pool.begin_step(step)
         prompt_of = _PromptIds(self.task, self.tokenizer, self.data)
         pending = pool.pending(prompt_of)
-        sampled, decode, forwards = 0, {}, 0
+        sampled, stats = 0, self.engine.idle_stats()
         if pending and pool.completed() < self.shape.batch_size:
             sampled, stats = self._continue(pending, version)
-            decode, forwards = _decode_metrics(stats), stats.forwards()
         groups = pool.take()
         lag_mean, lag_max = lag_stats(groups, version)
         metrics = dict(zip(PARTIAL_KEYS, (float(pool.carried()), float(dropped), lag_mean, float(lag_max),
-                                          float(forwards))))
+                                          float(stats.forwards()))))
         mine = [groups[i] for i in self.shape.local_prompts(*_dp()[:2])]
         rows = [self.data.row_at(g.pos) for g in mine]
         samples = [s for g in mine for s in g.samples]
@@ -188,7 +187,7 @@ class PartialRollouts:
         return Rollout(batch, [r for r in rows for _ in range(self.shape.n)],
                        [self.task.prompt(r, self.tokenizer) for r in rows],
                        [self.tokenizer.decode(r) for r in batch.responses], float(sampled),
-                       metrics=metrics, decode=decode)
+                       metrics=metrics, decode=_decode_metrics(stats))
 
     def _continue(self, pending: list[Pending], version: int):
         """Continue this rank's share of the pending samples until enough groups are complete;

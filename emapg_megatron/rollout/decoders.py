@@ -87,6 +87,9 @@ class DecodeStats:
 class DecodePath(Protocol):
     name: str
 
+    def new_stats(self) -> DecodeStats:
+        """Nothing decoded yet, in this path's counters."""
+
     def run(self, chunks: list, streams: list[kv.Stream], advance, sampling: Sampling,
             stats: DecodeStats, halted=None) -> list[kv.Stream]:
         """Decode ``streams`` until each is done (``advance`` says DONE), adding the cost to
@@ -100,6 +103,9 @@ class RecomputeDecode:
     forward-only pipeline schedule and samples its next token: no cache, no restarts."""
 
     name = "recompute"
+
+    def new_stats(self) -> DecodeStats:
+        return DecodeStats(self.name)
 
     def __init__(self, *, seq_length: int, micro_batch_size: int, pad_id: int, draw: Draw):
         self.seq_length, self.micro_batch_size, self.pad_id = seq_length, micro_batch_size, pad_id
@@ -139,6 +145,9 @@ class LockstepDecode:
 
     name = "lockstep"
 
+    def new_stats(self) -> DecodeStats:
+        return DecodeStats(self.name)
+
     def __init__(self, *, seq_length: int, max_requests: int | None, max_forward_tokens: int | None,
                  draw: Draw):
         self.seq_length, self.max_requests = seq_length, max_requests
@@ -165,6 +174,9 @@ class FixedShapeDecode:
 
     name = "fixed-shape"
 
+    def new_stats(self) -> DecodeStats:
+        return DecodeStats(self.name, cache_waves=1, schedule=ScheduleStats())
+
     def __init__(self, *, seq_length: int, vocab_size: int, max_requests: int | None,
                  cuda_graphs: bool, schedule: str):
         self.seq_length, self.vocab_size, self.max_requests = seq_length, vocab_size, max_requests
@@ -173,7 +185,6 @@ class FixedShapeDecode:
     def run(self, chunks, streams, advance, sampling, stats, halted=None):
         model = chunks[0]
         slots = kv.cache_rows(model, len(streams), self.seq_length, self.max_requests)
-        stats.schedule, stats.cache_waves = ScheduleStats(), 1
         was_training = model.training
         model.eval()
         try:

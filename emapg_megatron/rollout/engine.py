@@ -80,6 +80,9 @@ class ContinuingEngine(RolloutEngine, Protocol):
         """Continue each sequence (its prompt, tokens, log-probs and the key of its uniforms) until
         ``enough(finished flags)``; ``.turns`` (unfinished: finish reason "") and ``.stats``."""
 
+    def idle_stats(self) -> Any:
+        """The ``.stats`` of a step that continued nothing (zero counts)."""
+
 
 def warn_if_truncated_sampling(top_p: float, top_k: int = 0) -> None:
     if top_p < 1.0 or top_k > 0:

@@ -64,6 +64,10 @@ class MegatronSampler:
     def metrics(self) -> dict:
         return {}  # no weight sync; each generate's decoding cost comes back with its batch
 
+    def idle_stats(self) -> DecodeStats:
+        """What a step that decodes nothing costs (partial rollouts: enough groups were complete)."""
+        return self.decoder.new_stats()
+
     # --- drawing tokens ------------------------------------------------------------------
     def _uniforms(self, rng_step: int, turn: int, row: int, width: int) -> list[float]:
         """``width`` host uniforms keyed by the global sequence index ``row``: one host generator
@@ -157,7 +161,7 @@ class MegatronSampler:
         def advance(due, tokens, lps):
             return [kv.DONE if end else kv.CONTINUE for end in self._record_step(due, tokens, lps, stop)]
 
-        stats = DecodeStats(self.decoder.name)
+        stats = self.decoder.new_stats()
         self._run([s for s in streams if s.budget > 0], advance, sampling, stats)
         return [self._close(s.turn) for s in streams], stats
 
@@ -196,7 +200,7 @@ class MegatronSampler:
             flags, anyone = (finished, busy) if agree is None else agree(finished, busy)
             return not anyone or (enough is not None and enough(flags))
 
-        stats = DecodeStats(self.decoder.name)
+        stats = self.decoder.new_stats()
         live = [s for s in streams if len(s.turn.token_ids) < max_new_tokens]
         self._run(live, advance, Sampling(temperature, top_p), stats, halted)
         return Continued([self._close(s.turn) for s in streams], stats)
@@ -237,7 +241,7 @@ class MegatronSampler:
 
         streams = [next_turn(kv.Stream(s, [], 0, []), 0) for s in range(len(episodes))]
         streams = [s for s in streams if s is not None]
-        stats, sampling = DecodeStats(self.decoder.name), Sampling(temperature, top_p)
+        stats, sampling = self.decoder.new_stats(), Sampling(temperature, top_p)
         while streams:  # a stream whose environment rewrote cached tokens restarts in a new cache
             streams = self._run(streams, advance, sampling, stats)
         batch = pack_episodes(episodes, n, self.seq_length, self.pad_id)

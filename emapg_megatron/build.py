@@ -125,11 +125,40 @@ def teacher_architecture(cfg: RunConfig, model_cfg: ModelConfig, tokenizer) -> M
 
 
 def describe(inputs: RunInputs) -> str:
-    """The resolved configuration and layout, as --dry-run prints it."""
+    """The resolved configuration and layout, as --dry-run=json prints it."""
     cfg = inputs.config
     return json.dumps({"layout": layout(cfg.parallel, world_size_from_env(cfg.launch)),
                        "prompts": len(inputs.prompts.rows), "model": inputs.model_cfg.to_dict(),
                        "args": cfg.flags()}, indent=2, default=str)
+
+
+def summarize(inputs: RunInputs) -> str:
+    """What the run would do, in a few lines (--dry-run)."""
+    cfg, m, step = inputs.config, inputs.model_cfg, inputs.config.step
+    world = world_size_from_env(cfg.launch)
+    par = layout(cfg.parallel, world)
+    anchor = (f"teacher {cfg.teacher.path}" if cfg.teacher.path else
+              f"EMA eta {cfg.ema.eta:g} every {cfg.ema.update_period} steps")
+    kl = f"{cfg.kl.loss_type}" + (f" k={cfg.kl.k} tail {cfg.kl.tail}" if cfg.kl.uses_topk else "")
+    rows = [
+        ("layout", f"world {world} = TP {par['tensor_model_parallel_size']} x PP "
+                   f"{par['pipeline_model_parallel_size']} x DP {par['data_parallel_size']} "
+                   f"({cfg.parallel.resolved_device()})"),
+        ("model", f"{inputs.architecture or 'GPT'}: {m.num_layers} layers, hidden {m.hidden_size}, "
+                  f"{m.num_attention_heads} heads ({m.num_query_groups or m.num_attention_heads} query groups), "
+                  f"vocab {m.vocab_size}" + (f", from {cfg.model.load_hf}" if cfg.model.load_hf else "")),
+        ("task", f"{cfg.task.name}: {len(inputs.prompts.rows)} prompts"
+                 + (f" ({len(inputs.prompts.dropped)} too long, dropped)" if inputs.prompts.dropped else "")),
+        ("step", f"{step.rollout_batch_size} prompts x {step.num_samples} samples, at most {step.max_new_tokens} "
+                 f"new tokens (--seq-length {step.seq_length}); {step.updates_per_step} update(s) per step"
+                 + (", partial rollouts" if cfg.partial_rollouts.enabled else "")),
+        ("loss", f"KL {kl}, beta {cfg.loss.kl_coef:g}; anchor: {anchor}"),
+        ("run", f"{cfg.loop.train_iters} steps; --save {cfg.checkpoint.save or '(none)'}; "
+                f"--log-dir {cfg.log.log_dir}"),
+    ]
+    lines = [f"  {name:7s}{text}" for name, text in rows]
+    return "\n".join(["dry run: every check passed; nothing was started", *lines,
+                      "(every resolved setting: --dry-run=json)"])
 
 
 def build_trainer(inputs: RunInputs) -> Trainer:

@@ -12,6 +12,8 @@ exit code is the rank's. Ctrl-C (or SIGTERM) reaches the ranks, which finish the
 default one hour) and exits 130 (143 for SIGTERM) without a traceback.
 
 Without ``--nproc-per-node`` (or under torchrun already) it is the trainer itself, in this process.
+``--help``, a misspelt flag and every check of the flags alone answer before torch is imported;
+``--dry-run`` validates everything in this process and never starts a rank.
 """
 
 from __future__ import annotations
@@ -26,11 +28,22 @@ import tempfile
 
 import psutil
 
-#: torchrun's options this launcher takes (dash or underscore), and whether each takes a value.
-#: Everything else is the trainer's (torchrun's own --log-dir is not among them: it is ours).
-LAUNCHER_FLAGS = {"nproc-per-node": True, "nnodes": True, "node-rank": True, "master-addr": True,
-                  "master-port": True, "standalone": False, "rdzv-backend": True,
-                  "rdzv-endpoint": True, "rdzv-id": True, "max-restarts": True}
+#: torchrun's options this launcher takes (dash or underscore): the metavar of its value (None: it
+#: takes none) and its help. Everything else is the trainer's (torchrun's own --log-dir is not among them: it is ours).
+LAUNCHER_FLAGS = {
+    "nproc-per-node": ("N", "Ranks to start on this node (torchrun's). The run's world size, --nnodes x "
+                            "--nproc-per-node, must be TP x PP x DP. Without it emapg-train is one process."),
+    "nnodes": ("M", "Nodes of the run (a fixed number); start emapg-train on each with its own --node-rank."),
+    "node-rank": ("R", "This node's rank among the --nnodes (0 .. nnodes - 1)."),
+    "master-addr": ("ADDR", "Address of node 0 for the static rendezvous (with --master-port)."),
+    "master-port": ("PORT", "A free port on node 0 (default 29500)."),
+    "standalone": (None, "One node, with a free port and a local rendezvous chosen for you (the CPU "
+                         "examples use it)."),
+    "rdzv-backend": ("NAME", "torchrun's rendezvous backend (e.g. c10d) instead of --master-addr/--master-port."),
+    "rdzv-endpoint": ("HOST:PORT", "Where the rendezvous is (with --rdzv-backend)."),
+    "rdzv-id": ("ID", "The job's id at the rendezvous: the same on every node."),
+    "max-restarts": ("K", "Times torchrun restarts the ranks after a failure (default 0)."),
+}
 SHUTDOWN_TIMEOUT_S = 3600  # the ranks finish their step and save after Ctrl-C
 PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
 
@@ -42,7 +55,7 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
         name, _, inline = argv[i].partition("=")
         key = name[2:].replace("_", "-") if name.startswith("--") else None
         if key in LAUNCHER_FLAGS:
-            takes_value = LAUNCHER_FLAGS[key] and not inline
+            takes_value = LAUNCHER_FLAGS[key][0] is not None and not inline
             launcher += argv[i:i + 1 + takes_value]
             i += 1 + takes_value
         else:
@@ -138,13 +151,45 @@ def failure_code(failures: dict) -> int:
     return 1
 
 
+def help_text() -> str:
+    """The trainer's flags (generated from its configs) and the launcher's, without torch."""
+    from emapg_megatron import arguments
+
+    parser = arguments.build_parser()
+    group = parser.add_argument_group("torchrun", "emapg-train's launch options (anywhere among the "
+                                                  "trainer's flags; torchrun takes them as they are)")
+    for name, (metavar, text) in LAUNCHER_FLAGS.items():
+        group.add_argument(f"--{name}", help=text,
+                           **({"metavar": metavar} if metavar else {"action": "store_true"}))
+    return parser.format_help()
+
+
+def check_flags(trainer: list[str]):
+    """The trainer's flags parsed and checked on their own (no torch): one ``error:`` line and exit
+    code 2 for a misspelt flag or a bad value, at once."""
+    from emapg_megatron import arguments
+    from emapg_megatron.errors import ConfigError
+
+    try:
+        return arguments.parse_args(trainer)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     launcher, trainer = split_argv(argv)
+    if "-h" in trainer or "--help" in trainer:
+        print(help_text())
+        return
+    cfg = check_flags(trainer)
     from emapg_megatron import train
 
-    if not launcher or "LOCAL_RANK" in os.environ or "-h" in trainer or "--help" in trainer:
-        train.main(trainer)  # one process (or a rank torchrun started): the trainer itself
+    if cfg.launch.dry_run and launcher and "LOCAL_RANK" not in os.environ:
+        os.environ.setdefault("WORLD_SIZE", str(world_size(launcher)))  # the layout the launch would have
+    if cfg.launch.dry_run or not launcher or "LOCAL_RANK" in os.environ:
+        train.main(trainer)  # one process (a dry run, or a rank torchrun started): the trainer itself
         return
     from emapg_megatron.training.prompt_cache import CACHE_DIR_ENV
 

@@ -32,7 +32,7 @@ def run(argv=None) -> int:
     inputs = build.prepare(argv)  # every check that needs no process group: nothing runs yet
     cfg = inputs.config
     if cfg.launch.dry_run:  # a staged example's --load may not exist yet
-        print(build.describe(inputs))
+        print(build.describe(inputs) if cfg.launch.dry_run == "json" else build.summarize(inputs))
         return 0
     load, save, log = cfg.checkpoint.load, cfg.checkpoint.save, cfg.log
     if load:

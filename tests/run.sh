@@ -35,7 +35,8 @@ suite() {  # NAME [env settings of the install scripts ...] -- pytest arguments
   py=$(env "${settings[@]}" bash tools/python.sh)
   say "$name: megatron-core $("$py" -c 'from importlib.metadata import version; print(version("megatron-core"))'), Python $("$py" -c 'import platform; print(platform.python_version())')"
   PATH="$(dirname "$(command -v "$py")"):$PATH"  # scripts the tests run find the same python3
-  export PATH OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} CUDA_DEVICE_MAX_CONNECTIONS=1
+  PYTHON=$py  # ... and tools/python.sh (every example script's interpreter) names it too
+  export PATH PYTHON OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} CUDA_DEVICE_MAX_CONNECTIONS=1
   "$py" -m pytest tests -q -p no:cacheprovider --timeout=900 --durations=15 "$@"
 }
 

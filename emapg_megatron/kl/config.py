@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 from emapg_megatron.configurable import ANY_NUMBER, at_least, check_fields, option
 from emapg_megatron.errors import ConfigError
+from emapg_megatron.kl.catalog import TOPK_TAILS
 from emapg_megatron.kl.registry import LOSS_TYPE_NAMES, SAMPLED, loss_type, uses_topk
-from emapg_megatron.kl.topk import TOPK_TAILS
 
 
 @dataclass

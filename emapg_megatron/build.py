@@ -31,6 +31,7 @@ from emapg_megatron.anchor.teacher import (
 )
 from emapg_megatron.arguments import RunConfig
 from emapg_megatron.checkpoint import load_hf_weights
+from emapg_megatron.checkpoint import training as checkpointing
 from emapg_megatron.checkpoint.convert import (
     METADATA,
     architecture_for,
@@ -108,6 +109,8 @@ def prepare(argv=None) -> RunInputs:
         raise ConfigError(f"--partial-rollouts does not support multi-turn tasks (--task {cfg.task.name}): "
                           "an episode's environment state cannot be carried between steps")
     teacher_cfg = teacher_architecture(cfg, model_cfg, tokenizer)
+    if cfg.checkpoint.load and not cfg.launch.dry_run:  # a staged example's --load may not exist yet
+        checkpointing.check_train_iters(cfg.loop.train_iters, cfg.checkpoint.load)
     prompts = load_prompts(cfg, tokenizer, task, cfg.task.data_path)
     return RunInputs(cfg, model_cfg, tokenizer, task, prompts, load_eval_rows(cfg, tokenizer, task),
                      arch, hf_cfg, teacher_cfg)

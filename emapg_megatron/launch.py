@@ -109,30 +109,95 @@ def end_descendants() -> None:
             child.kill()
 
 
-def run_ranks(launcher: list[str], trainer: list[str]) -> int:
-    """torchrun's agent on ``python -m emapg_megatron.train TRAINER_FLAGS``; the exit code."""
+def run_ranks(launcher: list[str], trainer: list[str], save: str | None = None) -> int:
+    """torchrun's agent on ``python -m emapg_megatron.train TRAINER_FLAGS``; the exit code.
+
+    Ctrl-C and SIGTERM are this process's to handle (:class:`StopRequests`), not the agent's: the
+    agent would send them to each rank's whole process group, killing the writer processes of a
+    checkpoint being saved along with the rank."""
     from torch.distributed import run as torchrun
-    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from emapg_megatron.run.loop import LAUNCHED_ENV
 
     quiet_torchrun_logs()
     timeout = os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_TIMEOUT_S))
-    args = torchrun.parse_args([*launcher, "--shutdown-timeout", timeout, "-m", "emapg_megatron.train",
-                                *trainer])
+    args = torchrun.parse_args([*launcher, "--shutdown-timeout", timeout, *AGENT_SIGNALS,
+                                "-m", "emapg_megatron.train", *trainer])
     adopt_orphans()
+    os.environ[LAUNCHED_ENV] = "1"  # the ranks leave saying what a signal does to this process
+    stops = StopRequests(save).install()
     try:
         torchrun.run(args)
     except ChildFailedError as e:
-        return failure_code(e.failures)
-    except SignalException as e:
-        return 128 + int(e.sigval)
+        if stops.second is None:
+            return failure_code(e.failures)
     finally:
         end_descendants()
-    return 0
+    if stops.second is not None:
+        say_stopped_at_once(stops.second, save)
+    return 128 + stops.first if stops.first is not None else 0
+
+
+#: The signals torch's elastic agent turns into its own shutdown, which sends them to whole process
+#: groups: not Ctrl-C and SIGTERM (see :class:`StopRequests`).
+AGENT_SIGNALS = ("--signals-to-handle", "SIGHUP,SIGQUIT")
+
+
+class StopRequests:
+    """The run's Ctrl-C / SIGTERM: the first is said at once and passed to each rank process alone
+    (it finishes its step, saves with ``--save`` and exits); a second kills the run at once."""
+
+    def __init__(self, save: str | None):
+        self.save = save
+        self.first: int | None = None
+        self.second: int | None = None
+
+    def install(self) -> StopRequests:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self)
+        return self
+
+    def __call__(self, signum, frame) -> None:
+        if self.first is None:
+            self.first = signum
+            say_stopping(signum, self.save)
+            for rank in psutil.Process().children():  # the ranks, not their helpers
+                with contextlib.suppress(psutil.Error):
+                    rank.send_signal(signum)
+        elif self.second is None:
+            self.second = signum
+            end_descendants()
+
+
+def signal_key(sig) -> str:
+    """How the user sent it: ``Ctrl-C (SIGINT)``, ``SIGTERM``, ..."""
+    name = signal.Signals(sig).name
+    return f"Ctrl-C ({name})" if sig == signal.SIGINT else name
+
+
+def say_stopping(sig, save: str | None) -> None:
+    """The first signal, at once (unbuffered: it may arrive while anything is being printed)."""
+    key = signal_key(sig).split(" ")[0]
+    what = f"saves a checkpoint in {save} and stops" if save else "stops (no --save: nothing is saved)"
+    os.write(2, f"{signal_key(sig)} received: each rank finishes the step it is in, {what}; "
+                f"{key} again stops at once{', without that checkpoint' if save else ''}\n".encode())
+
+
+def say_stopped_at_once(sig, save: str | None) -> None:
+    """After a second signal: what is left of the run's checkpoints."""
+    from emapg_megatron.checkpoint.paths import discard_partial_saves, latest_complete
+
+    last = None
+    if save and os.path.isdir(save):
+        discard_partial_saves(save)  # the ranks are gone: a half-written step is no checkpoint
+        last = latest_complete(save)
+    print(f"error: stopped at once by a second {signal_key(sig)}, without a checkpoint of this step; "
+          f"the last complete checkpoint: {last or 'none'}", file=sys.stderr, flush=True)
 
 
 def quiet_torchrun_logs() -> None:
-    """The agent's log lines (a rank's failure, a signal): the ranks say what happened themselves."""
+    """The agent's log lines (a rank's failure): the ranks say what happened themselves."""
     import torch.distributed.elastic.agent.server.local_elastic_agent  # noqa: F401  (its loggers)
 
     for name in list(logging.root.manager.loggerDict):
@@ -196,7 +261,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="emapg-prompts-") as cache:
         os.environ[CACHE_DIR_ENV] = cache  # validation loads the prompts once; the ranks read them
         code = train.run_checked(lambda: validate(trainer, world_size(launcher)))
-        code = code or run_ranks(launcher, trainer)
+        code = code or run_ranks(launcher, trainer, cfg.checkpoint.save)
     sys.exit(code)
 
 

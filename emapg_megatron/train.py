@@ -16,7 +16,6 @@ import sys
 import torch.distributed as dist
 
 from emapg_megatron import build, runtime
-from emapg_megatron.checkpoint import training as checkpointing
 from emapg_megatron.configurable import trajectory_dests
 from emapg_megatron.errors import CollectiveError, ConfigError, RunError, agreed
 from emapg_megatron.run import loop
@@ -35,8 +34,6 @@ def run(argv=None) -> int:
         print(build.describe(inputs) if cfg.launch.dry_run == "json" else build.summarize(inputs))
         return 0
     load, save, log = cfg.checkpoint.load, cfg.checkpoint.save, cfg.log
-    if load:
-        checkpointing.check_train_iters(cfg.loop.train_iters, load)
     runtime.initialize(cfg.parallel, cfg.loop.seed)
     prompt_cache.release()  # every rank has read the node's prompts: its process group exists
     save_lock = None

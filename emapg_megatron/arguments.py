@@ -98,8 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="EMA Policy Gradient / GRPO on Megatron-Core. emapg-train checks every flag, the "
                     "data and the model in one process, then starts --nproc-per-node ranks with "
                     "torchrun (`torchrun -m emapg_megatron.train FLAGS` works too, without that "
-                    "check). The defaults of the model and KL flags are a real LM's; for a first run "
-                    "on a CPU: emapg-train --standalone --nproc-per-node 2 --preset tiny-cpu. "
+                    "check). The defaults are small (a model that trains on a CPU); a real model "
+                    "comes from --load-hf's config.json, and its run sets --seq-length and "
+                    "--max-new-tokens for its prompts (the error on a prompt that does not fit names "
+                    "the values that do). A first run on a CPU: emapg-train --standalone "
+                    "--nproc-per-node 2 --preset tiny-cpu. "
                     "Megatron-LM's names for the same settings are accepted (--grpo-group-size, "
                     "--grpo-kl-beta, ...).",
         formatter_class=configurable.HelpFormatter,
@@ -255,9 +258,10 @@ def _validate_fresh_outputs(cfg: RunConfig) -> None:
            f"--save {ckpt.save} holds the checkpoints of an earlier run: pass --load {ckpt.save} to "
            "resume it, another --save, or --overwrite to delete them and start over")
     metrics = cfg.log.metrics_path
+    # (a run that saved there to resume from was refused above, with --load in its message)
     _check(ckpt.load is not None or not os.path.isfile(metrics) or os.path.getsize(metrics) == 0,
-           f"--log-dir {log_dir} holds the metrics of an earlier run: pass --load to resume it, another "
-           "--log-dir, or --overwrite to delete them and start over")
+           f"--log-dir {log_dir} holds the metrics of an earlier run: pass another --log-dir, or "
+           "--overwrite to delete them and start over")
 
 
 def validate_architecture(cfg: RunConfig, model_cfg: ModelConfig) -> None:

@@ -99,8 +99,9 @@ def test_a_fresh_run_never_replaces_an_earlier_ones_outputs(tmp_path):
     assert (code, err) == (2, f"error: --save {save} holds the checkpoints of an earlier run: pass --load {save} "
                               "to resume it, another --save, or --overwrite to delete them and start over")
     code, err = in_process("--log-dir", str(log))
-    assert (code, err) == (2, f"error: --log-dir {log} holds the metrics of an earlier run: pass --load to "
-                              "resume it, another --log-dir, or --overwrite to delete them and start over")
+    # this run saves nowhere: nothing to resume, so --load is not suggested (issue 39, item 9)
+    assert (code, err) == (2, f"error: --log-dir {log} holds the metrics of an earlier run: pass another "
+                              "--log-dir, or --overwrite to delete them and start over")
     assert (save / "iter_0000004").is_dir() and (log / "metrics.jsonl").read_text() == '{"step": 1}\n'
 
 

@@ -172,7 +172,7 @@ def run_steps(loop: LoopConfig, ckpt: CheckpointConfig, trainer, logger, start: 
     end and on a signal; ``evaluate(step)`` adds its metrics (held-out Pass@k) to a step's.
     Returns the last step run."""
     stop = StopFlag(ckpt.save)
-    iteration, zero_variance = start, False
+    iteration, said_zero_variance = start, False
     for iteration in range(start + 1, loop.train_iters + 1):
         stop.step = iteration
         result = trainer.step(iteration)
@@ -182,11 +182,10 @@ def run_steps(loop: LoopConfig, ckpt: CheckpointConfig, trainer, logger, start: 
         logger.log(iteration, metrics)
         if log is not None and log.dumps_rollouts(iteration):
             logger.dump_rollouts(iteration, gathered_samples(result.samples))
-        if metrics.get("zero_std_group_frac") == 1.0 and not zero_variance:
-            logger.warn(f"step {iteration}: every prompt's samples got the same reward, so every advantage "
-                        "is 0 and the step learns only from the KL and entropy terms (the task is too hard "
-                        "or too easy for the policy; more --num-samples-per-prompt or another data mix)")
-        zero_variance = metrics.get("zero_std_group_frac") == 1.0
+        if metrics.get("zero_std_group_frac") == 1.0 and not said_zero_variance:  # once a run
+            logger.warn(f"step {iteration}: every prompt's samples got one reward: no advantage, only the "
+                        "KL and entropy terms train (zero_std_group_frac, logged each step, says how often)")
+            said_zero_variance = True
         if trainer.state.skipped_steps > loop.max_skipped_steps:
             raise agreed(SkippedStepsError(
                 f"stopping: {trainer.state.skipped_steps} steps skipped for non-finite loss or gradients "

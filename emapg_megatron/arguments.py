@@ -121,14 +121,15 @@ def preset_path(name: str) -> str:
 
 
 def parse_args(argv=None) -> RunConfig:
-    """The run's config from ``argv``: defaults < --preset < --config < the command line."""
+    """The run's config from ``argv``: defaults < --preset (the command line's, else the YAML's
+    ``preset:``) < --config < the command line."""
     parser = build_parser()
     first, _ = parser.parse_known_args(argv)
-    refused = ("preset", "config")
-    if first.preset:
-        parser.set_defaults(**configurable.yaml_defaults(parser, preset_path(first.preset), "preset", refused))
-    if first.config:
-        parser.set_defaults(**configurable.yaml_defaults(parser, first.config, "--config file", refused))
+    yaml = configurable.yaml_defaults(parser, first.config, "--config file", ("config",)) if first.config else {}
+    preset = first.preset or yaml.pop("preset", None)
+    if preset:
+        parser.set_defaults(**configurable.yaml_defaults(parser, preset_path(preset), "preset", ("preset", "config")))
+    parser.set_defaults(**yaml)
     return configurable.build(RunConfig, vars(parser.parse_args(argv)))
 
 

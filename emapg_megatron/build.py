@@ -99,6 +99,10 @@ def prepare(argv=None) -> RunInputs:
     """Parse, validate and load everything that needs no process group (bad input stops here)."""
     cfg = arguments.parse_args(argv)
     arguments.validate(cfg, world_size_from_env(cfg.launch))
+    if cfg.step.top_p < 1.0:  # a training concern only (evaluation samples what it likes)
+        warnings.warn("--top-p < 1: the samples do not come from the policy, so the KL estimators rely on "
+                      "their importance weight with the truncated distribution's log-prob (recorded)",
+                      stacklevel=2)
     model_cfg, arch, hf_cfg = model_source(cfg)
     arguments.validate_architecture(cfg, model_cfg)
     validate_precision(cfg.precision, cfg.parallel.resolved_device(), hardware=not cfg.launch.dry_run)
@@ -225,8 +229,11 @@ def evaluation(inputs: RunInputs, trainer: Trainer):
 
 
 def load_initial_weights(chunks, optimizer, cfg: RunConfig, model_cfg: ModelConfig) -> None:
-    """--pretrained-checkpoint's or --load-hf's weights (else the random init stays)."""
+    """--pretrained-checkpoint's or --load-hf's weights (else the random init stays); none with
+    --load, whose checkpoint then replaces every weight (reading them first would only cost time)."""
     path, hf = cfg.model.pretrained_checkpoint, cfg.model.load_hf
+    if cfg.checkpoint.load:
+        return
     if path:
         load_pretrained(chunks, optimizer, path)
         check_loaded_weights(chunks, f"--pretrained-checkpoint {path}")

@@ -332,14 +332,17 @@ def yaml_defaults(parser: argparse.ArgumentParser, path: str, what: str,
         raise ConfigError(f"{what} {path} must be a mapping of flag names to values")
     actions = {s[2:].replace("-", "_"): a for a in parser._actions for s in a.option_strings
                if s.startswith("--") and a.dest not in (*refused, "help")}
+    unknown = [key for key in data if str(key).replace("-", "_") not in actions]
+    if unknown:
+        known = [k.replace("_", "-") for k in actions]
+        said = []
+        for key in unknown:
+            close = difflib.get_close_matches(str(key).replace("_", "-"), known, n=1)
+            said.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        raise ConfigError(f"{what} {path}: unknown option{'s' if len(said) > 1 else ''} {', '.join(said)}")
     out = {}
     for key, value in data.items():
-        action = actions.get(str(key).replace("-", "_"))
-        if action is None:
-            close = difflib.get_close_matches(str(key).replace("_", "-"),
-                                              [k.replace("_", "-") for k in actions], n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ConfigError(f"{what} {path}: unknown option {key!r}{hint}")
+        action = actions[str(key).replace("-", "_")]
         try:
             out[action.dest] = _yaml_value(action, value)
         except (TypeError, ValueError) as e:

@@ -42,7 +42,7 @@ def run(argv=None) -> int:
         if cfg.checkpoint.overwrite and not load:
             cleared = on_rank0(lambda: clear_earlier_run(cfg.checkpoint, log))
             if cleared:
-                loop.log0(f"--overwrite: deleted {len(cleared)} checkpoint and log files of an earlier run")
+                loop.log0(f"--overwrite: deleted {cleared} of an earlier run")
         trainer = build.build_trainer(inputs)
         record = loop.RunRecord(cfg.flags(), build.model_metadata(inputs),
                                 trajectory=trajectory_dests(type(cfg)))

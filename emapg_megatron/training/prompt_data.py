@@ -165,7 +165,6 @@ def load_training_prompts(task, data_path: Optional[str], tokenizer, *, seq_leng
         raise ConfigError(f"{budget_flag} {budget} leaves no room for a prompt in --seq-length "
                           f"{seq_length}")
     rows, source, skipped = _load_rows(task, data_path, fields, log)
-    from_file = task.builtin_rows() is None
     lengths = _prompt_lengths(task, rows, tokenizer, source)
     over = [k for k, n in enumerate(lengths) if n > limit]
     result = TrainingPrompts(rows, lengths, limit, len(rows), skipped_bad=skipped)

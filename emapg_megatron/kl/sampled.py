@@ -92,8 +92,10 @@ def sampled_kl_unweighted(
     if estimator == "k4":
         return r * sg(-log_w)
     if estimator == "k5":
-        # log r = lp - sg(lp): value 0, gradient grad log pi(y); it is the baseline of §F.4.
-        return sg(torch.exp(log_w)) * log_w + (lp - sg(lp))
+        # log r = lp - sg(lp): value 0, gradient grad log pi(y); it is the baseline of §F.4. Where the
+        # reference gives y no mass (w = 0, a -inf logit: a teacher's) w log w is 0, not 0 * -inf.
+        w_log_w = torch.where(torch.isneginf(log_w), torch.zeros_like(log_w), sg(torch.exp(log_w)) * log_w)
+        return w_log_w + (lp - sg(lp))
     raise ValueError(f"unknown estimator {estimator!r}; expected one of {SAMPLED_ESTIMATORS}")
 
 

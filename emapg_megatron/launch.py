@@ -77,19 +77,26 @@ def world_size(launcher: list[str]) -> int:
     return high * int(args.nproc_per_node)
 
 
-def validate(trainer: list[str], world: int) -> None:
-    """Every check the ranks would make before their process group, here, for ``world`` ranks."""
-    from emapg_megatron import build
-
+@contextlib.contextmanager
+def world_size_env(world: int):
+    """WORLD_SIZE as the launch would set it, for this process only while the block runs."""
     previous = os.environ.get("WORLD_SIZE")
     os.environ["WORLD_SIZE"] = str(world)
     try:
-        build.prepare(trainer)
+        yield
     finally:
         if previous is None:
             del os.environ["WORLD_SIZE"]
         else:
             os.environ["WORLD_SIZE"] = previous
+
+
+def validate(trainer: list[str], world: int) -> None:
+    """Every check the ranks would make before their process group, here, for ``world`` ranks."""
+    from emapg_megatron import build
+
+    with world_size_env(world):
+        build.prepare(trainer)
 
 
 def adopt_orphans() -> None:
@@ -251,8 +258,11 @@ def main(argv: list[str] | None = None) -> None:
     cfg = check_flags(trainer)
     from emapg_megatron import train
 
-    if cfg.launch.dry_run and launcher and "LOCAL_RANK" not in os.environ:
-        os.environ.setdefault("WORLD_SIZE", str(world_size(launcher)))  # the layout the launch would have
+    if cfg.launch.dry_run and launcher and "LOCAL_RANK" not in os.environ \
+            and "WORLD_SIZE" not in os.environ:
+        with world_size_env(world_size(launcher)):  # the layout the launch would have
+            train.main(trainer)
+        return
     if cfg.launch.dry_run or not launcher or "LOCAL_RANK" in os.environ:
         train.main(trainer)  # one process (a dry run, or a rank torchrun started): the trainer itself
         return

@@ -61,11 +61,12 @@ def test_a_dry_run_starts_no_rank_and_says_what_would_run(monkeypatch, capsys):
         raise AssertionError("a dry run started ranks")
 
     monkeypatch.setattr(launch, "run_ranks", no_ranks)
-    monkeypatch.delenv("WORLD_SIZE", raising=False)  # restored after: the launcher sets it for validation
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(SystemExit) as e:
         launch.main(["--standalone", "--nproc-per-node", "2", "--preset", "tiny-cpu", "--dry-run"])
     out = capsys.readouterr().out
     assert e.value.code == 0
+    assert "WORLD_SIZE" not in os.environ  # the launch's world size was this dry run's only
     lines = out.strip().splitlines()
     assert lines[0] == "dry run: every check passed; nothing was started" and len(lines) <= 12
     assert "world 2 = TP 2 x PP 1 x DP 1" in out and lines[-1] == "(every resolved setting: --dry-run=json)"

@@ -34,6 +34,7 @@ from emapg_megatron.checkpoint import load_hf_weights
 from emapg_megatron.checkpoint.convert import (
     METADATA,
     architecture_for,
+    check_stored_tensors,
     checkpoint_metadata,
     checkpoint_model_config,
 )
@@ -42,6 +43,7 @@ from emapg_megatron.checkpoint.hf_config import (
     model_config_from_hf,
     read_hf_config,
 )
+from emapg_megatron.checkpoint.hf_io import TOKENIZER_VOCAB_FILES, has_tokenizer
 from emapg_megatron.checkpoint.safe_load import load_verified
 from emapg_megatron.errors import ConfigError
 from emapg_megatron.models.config import ModelConfig
@@ -209,6 +211,10 @@ def build_tokenizer_and_task(cfg: RunConfig):
     task = cfg.task
     if task.built_in:
         return CharTokenizer(), CopyTask(seed=cfg.loop.seed)
+    if not has_tokenizer(cfg.model.load_hf):
+        raise ConfigError(f"--load-hf {cfg.model.load_hf} has no tokenizer (none of "
+                          f"{', '.join(TOKENIZER_VOCAB_FILES)}): the prompts cannot be encoded; copy the "
+                          "model's tokenizer files there")
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.load_hf, local_files_only=True)
     return tokenizer, get_task(task.name, config=task.task_config())
 
@@ -282,10 +288,11 @@ def world_size_from_env(launch) -> int:
 
 
 def check_pretrained_architecture(model_cfg, path: str) -> None:
-    """--pretrained-checkpoint must hold the architecture the flags (or --load-hf) build, as
-    the model config it stores says. A checkpoint without one (not written here) is not checked
-    before the load, which then fails on any shape that differs."""
+    """--pretrained-checkpoint must hold the architecture the flags (or --load-hf) build: as the
+    model config it stores says (itself checked against its tensors), else as its tensors' shapes
+    say (a checkpoint not written here)."""
     if not os.path.isfile(os.path.join(path, METADATA)):
+        check_stored_tensors(path, model_cfg, "this run's model (the model flags or --load-hf)")
         return
     differ = [f"{name}: checkpoint {stored!r}, run {run!r}"
               for name, stored, run in architecture_diffs(checkpoint_model_config(path), model_cfg)]

@@ -25,11 +25,12 @@ from megatron.core.transformer.module import Float16Module
 from emapg_megatron.anchor.config import TeacherConfig
 from emapg_megatron.checkpoint import load_hf_weights
 from emapg_megatron.checkpoint.convert import (
+    checkpoint_model_config,
     load_mcore,
-    read_checkpoint_metadata,
     training_step_dir,
 )
 from emapg_megatron.checkpoint.hf_config import model_config_from_hf, read_hf_config
+from emapg_megatron.checkpoint.hf_io import has_tokenizer
 from emapg_megatron.errors import ConfigError
 from emapg_megatron.models.config import ModelConfig, PrecisionConfig
 from emapg_megatron.models.gpt import build_for_this_rank
@@ -43,9 +44,8 @@ def teacher_model_config(teacher: TeacherConfig, student: ModelConfig, *, tp: in
     where = f"{teacher.flag} {teacher.path}"
     if teacher.load_hf:
         cfg, _ = model_config_from_hf(read_hf_config(teacher.load_hf))
-    else:
-        meta = read_checkpoint_metadata(training_step_dir(teacher.checkpoint))
-        cfg = ModelConfig.from_dict(meta["model_config"])
+    else:  # checked against the tensors it stores
+        cfg = checkpoint_model_config(training_step_dir(teacher.checkpoint))
     if cfg.vocab_size != student.vocab_size:
         raise ConfigError(f"{where}: the teacher's vocabulary has {cfg.vocab_size} tokens, the "
                           f"student's {student.vocab_size}: distillation needs the same tokenizer")
@@ -61,8 +61,10 @@ def teacher_model_config(teacher: TeacherConfig, student: ModelConfig, *, tp: in
 
 def check_same_tokenizer(teacher: TeacherConfig, student_tokenizer) -> None:
     """An HF teacher folder with tokenizer files must hold the student's tokenizer (same ids for
-    the same strings); a checkpoint (no tokenizer) is checked by its vocabulary size only."""
-    if not teacher.load_hf or not callable(getattr(student_tokenizer, "get_vocab", None)):
+    the same strings); a folder without them and a checkpoint are checked by their vocabulary
+    size only."""
+    if (not teacher.load_hf or not has_tokenizer(teacher.load_hf)
+            or not callable(getattr(student_tokenizer, "get_vocab", None))):
         return
     from transformers import AutoTokenizer
 

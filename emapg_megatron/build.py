@@ -226,6 +226,8 @@ def load_prompts(cfg: RunConfig, tokenizer, task, path: str | None):
         return load_training_prompts(task, path, tokenizer, seq_length=cfg.step.seq_length,
                                      max_new_tokens=cfg.step.max_new_tokens,
                                      long_prompts=cfg.task.long_prompts, fields=cfg.task.fields() or None)
+    if task.builtin_rows() is not None:  # nothing to share: made in no time, and no lock file left
+        return load()
     return prompt_cache.once_per_node(prompt_cache.key(cfg.flags(), path, cfg.model.load_hf), load)
 
 

@@ -148,7 +148,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     from emapg_megatron.training.prompt_cache import CACHE_DIR_ENV
 
-    with tempfile.TemporaryDirectory(prefix="emapg-prompts-") as cache:
+    # (the ranks delete it once they have read it: prompt_cache.release)
+    with tempfile.TemporaryDirectory(prefix="emapg-prompts-", ignore_cleanup_errors=True) as cache:
         os.environ[CACHE_DIR_ENV] = cache  # validation loads the prompts once; the ranks read them
         code = train.run_checked(lambda: validate(trainer, world_size(launcher)))
         code = code or run_ranks(launcher, trainer)

@@ -65,6 +65,7 @@ from emapg_megatron.errors import ConfigError, shown
 from emapg_megatron.models.config import ModelConfig, PrecisionConfig
 from emapg_megatron.models.gpt import build_gpt_model, unwrap
 from emapg_megatron.multiprocess import free_port
+from emapg_megatron.runtime.environment import environment
 from emapg_megatron.training.collectives import on_rank0
 
 METADATA = "emapg_model_config.json"
@@ -255,29 +256,13 @@ def single_process_runtime():
         return
     if int(os.environ.get("WORLD_SIZE", "1")) != 1:
         raise ConfigError("run the converter as a single process (not under torchrun)")
-    with _environment(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+    with environment(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(free_port())):
         runtime.initialize(runtime.ParallelConfig(device="cpu"))
         try:
             yield
         finally:
             runtime.destroy()
-
-
-@contextmanager
-def _environment(**values: str):
-    """``values`` in the environment for the block, then the environment as it was (a caller's
-    later launch must not inherit a rank's variables)."""
-    before = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in before.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _build_tp1(cfg: ModelConfig, tp: int, dtype: str):

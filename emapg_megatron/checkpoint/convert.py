@@ -117,10 +117,9 @@ def read_checkpoint_metadata(ckpt_dir: str | Path) -> dict:
         raise ConfigError(f"corrupt checkpoint metadata {path}: not an object with a model_config")
     if meta.get("format") != FORMAT:
         raise ConfigError(f"{path}: unknown format {shown(meta.get('format'))} (expected {FORMAT})")
-    if meta.get("architecture") not in ARCHITECTURES or meta.get("dtype") not in DTYPES:
-        raise ConfigError(f"{path}: architecture {shown(meta.get('architecture'))} and dtype "
-                          f"{shown(meta.get('dtype'))} must be one of {', '.join(ARCHITECTURES)} and "
-                          f"one of {', '.join(DTYPES)}")
+    for name, known in (("architecture", ARCHITECTURES), ("dtype", DTYPES)):
+        if meta.get(name) is not None and meta[name] not in known:  # required where used
+            raise ConfigError(f"{path}: {name} {shown(meta[name])} must be one of {', '.join(known)}")
     for name, kind in (("hf_config", dict), ("hf_dir", str)):
         if meta.get(name) is not None and not isinstance(meta[name], kind):
             raise ConfigError(f"{path}: {name} must be a JSON {'object' if kind is dict else 'string'} "
@@ -158,8 +157,12 @@ def check_stored_tensors(ckpt_dir: str | Path, cfg: ModelConfig, what: str) -> N
     """Refuse, in one line, a model ``cfg`` whose tensors differ from the model tensors the
     ``torch_dist`` checkpoint ``ckpt_dir`` stores (their global shapes, read from its checked
     ``.metadata``): Megatron would build the model and then stop in the load with a traceback,
-    or ignore a stored tensor the model lacks."""
-    metadata = read_dcp_metadata(os.path.join(ckpt_dir, DCP_METADATA))
+    or ignore a stored tensor the model lacks. A folder without ``.metadata`` is no such
+    checkpoint: its load refuses it."""
+    index = os.path.join(ckpt_dir, DCP_METADATA)
+    if not os.path.lexists(index):  # no torch_dist checkpoint: refused in one line when it is loaded
+        return
+    metadata = read_dcp_metadata(index)
     stored = {key: tuple(m.size) for key, m in metadata.state_dict_metadata.items()
               if isinstance(m, TensorStorageMetadata) and key.startswith(MODEL_KEY_PREFIXES)}
     expected = HFMapping(cfg).stored_shapes()
@@ -322,7 +325,9 @@ def mcore_to_hf(load: str | Path, out: str | Path, *, hf_template: str | Path | 
     directory (its latest step) or one of its ``iter_N`` directories. Returns a summary dict."""
     step_dir = training_step_dir(load)
     meta, cfg = checked_checkpoint(step_dir)
-    arch, dtype = meta["architecture"], meta["dtype"]
+    arch, dtype = meta.get("architecture"), meta.get("dtype")
+    if arch is None or dtype is None:
+        raise ConfigError(f"{step_dir}/{METADATA} records no architecture or dtype: it cannot be exported")
     tokenizer_dir = hf_template or _recorded_hf_dir(meta)
     check_output_apart(out, {"--load": load, "the tokenizer folder": tokenizer_dir})
     base = meta.get("hf_config")

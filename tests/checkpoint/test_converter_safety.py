@@ -128,8 +128,9 @@ def test_a_bad_stored_model_config_is_one_line(changes, message, made, ckpt, tmp
 
 @pytest.mark.parametrize("meta_changes, message", [
     ({"saved_tp": 10**9}, "saved_tp must be an integer from 1 to 1024"),
-    ({"dtype": "fp8"}, "dtype 'fp8' must be one of"),
+    ({"dtype": "fp8"}, "dtype 'fp8' must be one of bf16, fp32"),
     ({"hf_config": [1, 2]}, "hf_config must be a JSON object"),
+    ({"architecture": None}, "records no architecture or dtype: it cannot be exported"),
 ])
 def test_bad_metadata_entries_are_one_line(meta_changes, message, ckpt, tmp_path):
     path = ckpt / "emapg_model_config.json"

@@ -71,6 +71,9 @@ from emapg_megatron.training.model_and_optimizer import build_model_and_optimize
 from emapg_megatron.training.optimizer_step import check_loaded_weights
 from emapg_megatron.training.prompt_data import PromptSchedule, load_training_prompts
 
+#: What --dry-run says of the prompts when --load-hf has no tokenizer to encode them.
+NOT_CHECKED = "not checked: --load-hf has no tokenizer"
+
 
 @dataclass
 class RunInputs:
@@ -81,11 +84,12 @@ class RunInputs:
     model_cfg: ModelConfig
     """The architecture."""
     tokenizer: object
-    """Tokenizer of the task's prompts and responses."""
+    """Tokenizer of the task's prompts and responses (None: a --dry-run without one)."""
     task: object
     """The RL task: prompts and rewards."""
     prompts: object
-    """The checked training prompts (:class:`~emapg_megatron.training.prompt_data.TrainingPrompts`)."""
+    """The checked training prompts (:class:`~emapg_megatron.training.prompt_data.TrainingPrompts`;
+    None: a --dry-run without a tokenizer)."""
     eval_rows: list | None = None
     """Held-out rows for --eval-interval (checked like the training prompts), or None."""
     architecture: str | None = None
@@ -110,6 +114,8 @@ def prepare(argv=None) -> RunInputs:
         raise ConfigError(f"--partial-rollouts does not support multi-turn tasks (--task {cfg.task.name}): "
                           "an episode's environment state cannot be carried between steps")
     teacher_cfg = teacher_architecture(cfg, model_cfg, tokenizer)
+    if tokenizer is None:  # a --dry-run on a stand-in model folder: no prompt can be encoded here
+        return RunInputs(cfg, model_cfg, None, task, None, None, arch, hf_cfg, teacher_cfg)
     prompts = load_prompts(cfg, tokenizer, task, cfg.task.data_path)
     return RunInputs(cfg, model_cfg, tokenizer, task, prompts, load_eval_rows(cfg, tokenizer, task),
                      arch, hf_cfg, teacher_cfg)
@@ -129,8 +135,9 @@ def teacher_architecture(cfg: RunConfig, model_cfg: ModelConfig, tokenizer) -> M
 def describe(inputs: RunInputs) -> str:
     """The resolved configuration and layout, as --dry-run prints it."""
     cfg = inputs.config
+    prompts = len(inputs.prompts.rows) if inputs.prompts is not None else NOT_CHECKED
     return json.dumps({"layout": layout(cfg.parallel, world_size_from_env(cfg.launch)),
-                       "prompts": len(inputs.prompts.rows), "model": inputs.model_cfg.to_dict(),
+                       "prompts": prompts, "model": inputs.model_cfg.to_dict(),
                        "args": cfg.flags()}, indent=2, default=str)
 
 
@@ -207,16 +214,21 @@ def load_initial_weights(chunks, optimizer, cfg: RunConfig, model_cfg: ModelConf
 
 
 def build_tokenizer_and_task(cfg: RunConfig):
-    """The tokenizer (--load-hf's) and the task, on the config its flags built."""
+    """The tokenizer (--load-hf's) and the task, on the config its flags built. A --load-hf folder
+    without a tokenizer is refused (transformers would build one that encodes every prompt to
+    nothing); under --dry-run, where it may stand in for the target machine's model (config.json
+    only), the tokenizer is None and the prompts are not checked."""
     task = cfg.task
     if task.built_in:
         return CharTokenizer(), CopyTask(seed=cfg.loop.seed)
+    built = get_task(task.name, config=task.task_config())
     if not has_tokenizer(cfg.model.load_hf):
+        if cfg.launch.dry_run:
+            return None, built
         raise ConfigError(f"--load-hf {cfg.model.load_hf} has no tokenizer (none of "
                           f"{', '.join(TOKENIZER_VOCAB_FILES)}): the prompts cannot be encoded; copy the "
                           "model's tokenizer files there")
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.load_hf, local_files_only=True)
-    return tokenizer, get_task(task.name, config=task.task_config())
+    return AutoTokenizer.from_pretrained(cfg.model.load_hf, local_files_only=True), built
 
 
 def load_prompts(cfg: RunConfig, tokenizer, task, path: str | None):

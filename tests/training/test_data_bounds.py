@@ -205,11 +205,25 @@ def test_a_prompt_of_no_tokens_is_refused_naming_the_row(tmp_path):
 
 
 def test_load_hf_without_a_tokenizer_is_refused(hf, tmp_path):
+    from emapg_megatron import build
+
     bare = shutil.copytree(hf, tmp_path / "bare")
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (bare / name).unlink()
-    code, errors, _ = dry_run(bare, MATH)
-    assert code == 2 and errors == [
-        f"error: --load-hf {bare} has no tokenizer (none of tokenizer.json, tokenizer.model, vocab.json, "
-        "vocab.txt): the prompts cannot be encoded; copy the model's tokenizer files there"]
-    assert dry_run(hf, MATH, "--long-prompts", "drop")[0] == 0
+
+    def prepare(model, *flags):
+        return build.prepare(["--preset", "tiny-cpu", "--tensor-model-parallel-size", "1", "--task", "math",
+                              "--load-hf", str(model), "--data-path", MATH, "--seq-length", "256",
+                              "--max-position-embeddings", "256", "--chat-template", "never", "--long-prompts",
+                              "drop", "--log-dir", str(tmp_path / "log"), *flags])
+
+    with pytest.raises(ConfigError) as e:
+        prepare(bare)
+    assert str(e.value) == (f"--load-hf {bare} has no tokenizer (none of tokenizer.json, tokenizer.model, "
+                            "vocab.json, vocab.txt): the prompts cannot be encoded; copy the model's tokenizer "
+                            "files there")
+    assert len(prepare(hf).prompts.rows) > 0
+    # --dry-run on a stand-in folder (config.json only, the real model being on the target machine)
+    # checks the flags and the shapes; it says the prompts were not checked
+    dry = prepare(bare, "--dry-run")
+    assert dry.prompts is None and '"prompts": "not checked: --load-hf has no tokenizer"' in build.describe(dry)

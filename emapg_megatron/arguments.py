@@ -168,7 +168,7 @@ def validate(cfg: RunConfig, world_size: int) -> None:
     _validate_engines(cfg)
     configurable.check_paths(cfg, outputs=not dry)
     if not dry:  # a dry run's paths may be another machine's
-        _validate_fresh_outputs(cfg)
+        validate_fresh_outputs(cfg)
 
 
 def _validate_teacher(cfg: RunConfig) -> None:
@@ -249,8 +249,10 @@ def partial_rollouts_refusal(cfg: RunConfig, world_size: int) -> str | None:
     return next((why for refused, why in rules if refused), None)
 
 
-def _validate_fresh_outputs(cfg: RunConfig) -> None:
-    """A new run never silently replaces an earlier one's checkpoints or metrics."""
+def validate_fresh_outputs(cfg: RunConfig) -> None:
+    """A new run never silently replaces an earlier one's checkpoints or metrics (checked again
+    once the run holds the locks of its output folders: two runs started together both pass it
+    before either has written)."""
     ckpt, log_dir = cfg.checkpoint, cfg.log.log_dir
     if ckpt.overwrite:
         return

@@ -35,6 +35,7 @@ from emapg_megatron.checkpoint import training as checkpointing
 from emapg_megatron.checkpoint.convert import (
     METADATA,
     architecture_for,
+    check_stored_tensors,
     checkpoint_metadata,
     checkpoint_model_config,
 )
@@ -43,6 +44,7 @@ from emapg_megatron.checkpoint.hf_config import (
     model_config_from_hf,
     read_hf_config,
 )
+from emapg_megatron.checkpoint.hf_io import TOKENIZER_VOCAB_FILES, has_tokenizer
 from emapg_megatron.checkpoint.safe_load import load_verified
 from emapg_megatron.errors import ConfigError
 from emapg_megatron.models.config import ModelConfig
@@ -70,6 +72,9 @@ from emapg_megatron.training.model_and_optimizer import build_model_and_optimize
 from emapg_megatron.training.optimizer_step import check_loaded_weights
 from emapg_megatron.training.prompt_data import PromptSchedule, load_training_prompts
 
+#: What --dry-run says of the prompts when --load-hf has no tokenizer to encode them.
+NOT_CHECKED = "not checked: --load-hf has no tokenizer"
+
 
 @dataclass
 class RunInputs:
@@ -80,11 +85,12 @@ class RunInputs:
     model_cfg: ModelConfig
     """The architecture."""
     tokenizer: object
-    """Tokenizer of the task's prompts and responses."""
+    """Tokenizer of the task's prompts and responses (None: a --dry-run without one)."""
     task: object
     """The RL task: prompts and rewards."""
     prompts: object
-    """The checked training prompts (:class:`~emapg_megatron.training.prompt_data.TrainingPrompts`)."""
+    """The checked training prompts (:class:`~emapg_megatron.training.prompt_data.TrainingPrompts`;
+    None: a --dry-run without a tokenizer)."""
     eval_rows: list | None = None
     """Held-out rows for --eval-interval (checked like the training prompts), or None."""
     architecture: str | None = None
@@ -115,6 +121,8 @@ def prepare(argv=None) -> RunInputs:
     teacher_cfg = teacher_architecture(cfg, model_cfg, tokenizer)
     if cfg.checkpoint.load and not cfg.launch.dry_run:  # a staged example's --load may not exist yet
         checkpointing.check_train_iters(cfg.loop.train_iters, cfg.checkpoint.load)
+    if tokenizer is None:  # a --dry-run on a stand-in model folder: no prompt can be encoded here
+        return RunInputs(cfg, model_cfg, None, task, None, None, arch, hf_cfg, teacher_cfg)
     prompts = load_prompts(cfg, tokenizer, task, cfg.task.data_path)
     return RunInputs(cfg, model_cfg, tokenizer, task, prompts, load_eval_rows(cfg, tokenizer, task),
                      arch, hf_cfg, teacher_cfg)
@@ -134,8 +142,9 @@ def teacher_architecture(cfg: RunConfig, model_cfg: ModelConfig, tokenizer) -> M
 def describe(inputs: RunInputs) -> str:
     """The resolved configuration and layout, as --dry-run=json prints it."""
     cfg = inputs.config
+    prompts = len(inputs.prompts.rows) if inputs.prompts is not None else NOT_CHECKED
     return json.dumps({"layout": layout(cfg.parallel, world_size_from_env(cfg.launch)),
-                       "prompts": len(inputs.prompts.rows), "model": inputs.model_cfg.to_dict(),
+                       "prompts": prompts, "model": inputs.model_cfg.to_dict(),
                        "args": cfg.flags()}, indent=2, default=str)
 
 
@@ -154,8 +163,9 @@ def summarize(inputs: RunInputs) -> str:
         ("model", f"{inputs.architecture or 'GPT'}: {m.num_layers} layers, hidden {m.hidden_size}, "
                   f"{m.num_attention_heads} heads ({m.num_query_groups or m.num_attention_heads} query groups), "
                   f"vocab {m.vocab_size}" + (f", from {cfg.model.load_hf}" if cfg.model.load_hf else "")),
-        ("task", f"{cfg.task.name}: {len(inputs.prompts.rows)} prompts"
-                 + (f" ({len(inputs.prompts.dropped)} too long, dropped)" if inputs.prompts.dropped else "")),
+        ("task", f"{cfg.task.name}: " + (f"prompts {NOT_CHECKED}" if inputs.prompts is None else
+                 f"{len(inputs.prompts.rows)} prompts"
+                 + (f" ({len(inputs.prompts.dropped)} too long, dropped)" if inputs.prompts.dropped else ""))),
         ("step", f"{step.rollout_batch_size} prompts x {step.num_samples} samples, at most {step.max_new_tokens} "
                  f"new tokens (--seq-length {step.seq_length}); {step.updates_per_step} update(s) per step"
                  + (", partial rollouts" if cfg.partial_rollouts.enabled else "")),
@@ -244,12 +254,21 @@ def load_initial_weights(chunks, optimizer, cfg: RunConfig, model_cfg: ModelConf
 
 
 def build_tokenizer_and_task(cfg: RunConfig):
-    """The tokenizer (--load-hf's) and the task, on the config its flags built."""
+    """The tokenizer (--load-hf's) and the task, on the config its flags built. A --load-hf folder
+    without a tokenizer is refused (transformers would build one that encodes every prompt to
+    nothing); under --dry-run, where it may stand in for the target machine's model (config.json
+    only), the tokenizer is None and the prompts are not checked."""
     task = cfg.task
     if task.built_in:
         return CharTokenizer(), CopyTask(seed=cfg.loop.seed)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.load_hf, local_files_only=True)
-    return tokenizer, get_task(task.name, config=task.task_config())
+    built = get_task(task.name, config=task.task_config())
+    if not has_tokenizer(cfg.model.load_hf):
+        if cfg.launch.dry_run:
+            return None, built
+        raise ConfigError(f"--load-hf {cfg.model.load_hf} has no tokenizer (none of "
+                          f"{', '.join(TOKENIZER_VOCAB_FILES)}): the prompts cannot be encoded; copy the "
+                          "model's tokenizer files there")
+    return AutoTokenizer.from_pretrained(cfg.model.load_hf, local_files_only=True), built
 
 
 def load_prompts(cfg: RunConfig, tokenizer, task, path: str | None):
@@ -259,6 +278,8 @@ def load_prompts(cfg: RunConfig, tokenizer, task, path: str | None):
         return load_training_prompts(task, path, tokenizer, seq_length=cfg.step.seq_length,
                                      max_new_tokens=cfg.step.max_new_tokens,
                                      long_prompts=cfg.task.long_prompts, fields=cfg.task.fields() or None)
+    if task.builtin_rows() is not None:  # nothing to share: made in no time, and no lock file left
+        return load()
     return prompt_cache.once_per_node(prompt_cache.key(cfg.flags(), path, cfg.model.load_hf), load)
 
 
@@ -321,10 +342,11 @@ def world_size_from_env(launch) -> int:
 
 
 def check_pretrained_architecture(model_cfg, path: str) -> None:
-    """--pretrained-checkpoint must hold the architecture the flags (or --load-hf) build, as
-    the model config it stores says. A checkpoint without one (not written here) is not checked
-    before the load, which then fails on any shape that differs."""
+    """--pretrained-checkpoint must hold the architecture the flags (or --load-hf) build: as the
+    model config it stores says (itself checked against its tensors), else as its tensors' shapes
+    say (a checkpoint not written here)."""
     if not os.path.isfile(os.path.join(path, METADATA)):
+        check_stored_tensors(path, model_cfg, "this run's model (the model flags or --load-hf)")
         return
     differ = [f"{name}: checkpoint {stored!r}, run {run!r}"
               for name, stored, run in architecture_diffs(checkpoint_model_config(path), model_cfg)]

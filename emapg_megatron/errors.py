@@ -38,6 +38,12 @@ class CollectiveError(RunError):
     """A collective failed: a peer process died or stopped responding."""
 
 
+def shown(value, limit: int = 60) -> str:
+    """``repr(value)``, cut to ``limit`` characters: a hostile value in a message stays one short line."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def agreed(error: BaseException) -> BaseException:
     """Mark ``error`` as raised alike on every rank: only rank 0 reports it."""
     error.agreed = True

@@ -60,14 +60,16 @@ from .configurable import ANY_NUMBER, above, at_least, between, option
 from .errors import ConfigError
 from .tasks import get_task
 from .tasks.config import DataColumns, MathConfig, PromptConfig, SearchConfig
-from .tasks.data import MAX_JSON_DEPTH, json_too_deep
+from .tasks.data import MAX_JSON_DEPTH, DataFileError, json_too_deep, open_regular
 from .tasks.math_verifier import DEFAULT_TIMEOUT
-from .tasks.passk import _check, default_ks, mean_pass_at_k
+from .tasks.passk import default_ks, mean_pass_at_k
 
 logger = logging.getLogger("emapg_megatron.evaluate")
 
 #: samples generated per backend call (and written, and counted by the progress line, at once)
 _GEN_CHUNK = 256
+#: responses scored at a time (the progress line counts them)
+_SCORE_CHUNK = 4096
 #: --max-new-tokens when not given
 DEFAULT_MAX_NEW_TOKENS = 1024
 
@@ -107,8 +109,12 @@ def read_responses(path: str, rows: Sequence[Mapping[str, Any]], n_samples: int)
     """Responses per loaded row (first ``n_samples`` of each), matched by index (see module doc)."""
     if not os.path.exists(path):
         raise EvalError(f"responses file not found: {path}")
+    try:
+        stream = open_regular(path)  # not a folder, a named pipe or a device
+    except DataFileError as e:
+        raise EvalError(f"--responses {e}") from None
     records = []
-    with open(path, "rb") as f:
+    with stream as f:
         for ln, raw in enumerate(f):
             rec = _response_record(path, ln, raw)
             if rec is None:
@@ -238,11 +244,12 @@ def _reason(e: BaseException, limit: int = 300) -> str:
 
 
 class _Progress:
-    """``generated D/T responses (P%), R/s, ~Ss left`` on stderr: redrawn in place on a terminal,
-    else a line at most every ``every`` seconds, and always at the end."""
+    """``generated D/T responses (P%), R/s, ~Ss left`` on stderr (``verb``: what is done to them):
+    redrawn in place on a terminal, else a line at most every ``every`` seconds, and always at the
+    end."""
 
-    def __init__(self, total: int, stream=None, every: float = 30.0):
-        self.total, self.stream = total, stream or sys.stderr
+    def __init__(self, total: int, stream=None, every: float = 30.0, verb: str = "generated"):
+        self.total, self.stream, self.verb = total, stream or sys.stderr, verb
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
         self.every = 0.5 if self.tty else every
         self.start = self.last = time.monotonic()
@@ -255,7 +262,7 @@ class _Progress:
         self.last = now
         rate = done / max(now - self.start, 1e-6)
         left = f", ~{(self.total - done) / rate:.0f}s left" if rate > 0 and not end else ""
-        line = (f"generated {done}/{self.total} responses ({100.0 * done / max(self.total, 1):.0f}%), "
+        line = (f"{self.verb} {done}/{self.total} responses ({100.0 * done / max(self.total, 1):.0f}%), "
                 f"{rate:.2f}/s{left}")
         self.stream.write(("\r" + line + ("\n" if end else "")) if self.tty else line + "\n")
         self.stream.flush()
@@ -313,13 +320,21 @@ def _generate_to_file(task, rows, backend, n: int, out_dir: str) -> list[list[st
 # scoring and reporting
 
 
-def score(task, rows: Sequence[Mapping[str, Any]], responses: Sequence[Sequence[str]]) -> list[list[bool]]:
+def score(task, rows: Sequence[Mapping[str, Any]], responses: Sequence[Sequence[str]],
+          progress: bool = False) -> list[list[bool]]:
+    """Each response's correctness, per row; ``progress``: a progress line on stderr while scoring
+    (``_SCORE_CHUNK`` responses at a time)."""
     flat_resp, flat_rows, shape = [], [], []
     for row, resps in zip(rows, responses):
         shape.append(len(resps))
         flat_resp.extend(resps)
         flat_rows.extend([row] * len(resps))
-    flat = task.correct_many(flat_resp, flat_rows)
+    bar = _Progress(len(flat_resp), verb="scored") if progress else None
+    flat = []
+    for start in range(0, len(flat_resp), _SCORE_CHUNK):
+        flat.extend(task.correct_many(flat_resp[start:start + _SCORE_CHUNK], flat_rows[start:start + _SCORE_CHUNK]))
+        if bar is not None:
+            bar.update(len(flat))
     out, i = [], 0
     for n in shape:
         out.append([bool(x) for x in flat[i : i + n]])
@@ -509,6 +524,21 @@ class EvaluateConfig:
             configurable.check_fields(part)
         if (self.run.responses is None) == (self.run.load is None):
             raise ConfigError("give one of --responses FILE or --load CKPT")
+        self.ks()
+
+    def ks(self) -> list[int]:
+        """The k of Pass@k: --k's values, each from 1 to N (--num-samples-per-prompt); by default
+        1, 2, 4, ..., N. ConfigError for anything else."""
+        n, given = self.sampling.num_samples, self.run.k
+        if not given:
+            return default_ks(n)
+        try:
+            ks = sorted({int(x) for x in given.split(",") if x.strip()})
+        except ValueError:
+            raise ConfigError(f"--k must be comma-separated integers (got {given!r})") from None
+        if not ks or not 1 <= ks[0] <= ks[-1] <= n:
+            raise ConfigError(f"--k values must lie in 1..{n} (--num-samples-per-prompt; got {given!r})")
+        return ks
 
 
 class _DeprecatedField(argparse.Action):
@@ -555,7 +585,8 @@ def _make_task(cfg: EvalTask) -> Any:
 def run(cfg: EvaluateConfig) -> dict:
     opts, data, sampling = cfg.run, cfg.task, cfg.sampling
     n = sampling.num_samples
-    ks = default_ks(n) if not opts.k else _check([int(x) for x in opts.k.split(",") if x.strip()], n)
+    ks = cfg.ks()
+    _make_output_dir(opts.out)  # a bad --out is found now, not after the scoring
     task = _make_task(data)
     try:
         try:
@@ -577,13 +608,28 @@ def run(cfg: EvaluateConfig) -> dict:
                                    max_new_tokens=max_new, seed=sampling.seed)
             responses = _generate_to_file(task, rows, backend, n, opts.out)
             source = {"checkpoint": opts.load}
-        correct = score(task, rows, responses)
+        correct = score(task, rows, responses, progress=True)
     finally:
         task.close()
     summary = summarize(rows, correct, ks)
     meta = {"task": data.name, "data": [os.path.abspath(d) for d in data.data_path], "n_samples": n, **source}
-    paths = write_report(opts.out, summary, meta, rows, correct)
+    try:
+        paths = write_report(opts.out, summary, meta, rows, correct)
+    except OSError as e:  # the folder filled up or went away since the start
+        raise EvalError(f"--out {opts.out}: cannot write the results ({e.strerror or e})") from None
     return {"summary": summary, "paths": paths}
+
+
+def _make_output_dir(out: str) -> None:
+    """--out as a folder this run can write, made before any work."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise EvalError(f"--out {out} is a file, not a folder")
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as e:
+        raise EvalError(f"--out {out}: cannot make the folder ({e.strerror or e})") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise EvalError(f"--out {out} is not writable")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -9,7 +9,12 @@ Bad input is refused here, once, in one ``error:`` line with exit code 2, before
 process). A rank that fails has printed its own line: the agent's report is not repeated, and the
 exit code is the rank's. Ctrl-C (or SIGTERM) reaches the ranks, which finish their step, save
 (with ``--save``) and exit; this process waits for them (``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``,
-default one hour) and exits 130 (143 for SIGTERM) without a traceback.
+default one hour) and exits 130 (143 for SIGTERM) without a traceback; Ctrl-C while the modules
+still import is one line and 130 too.
+
+Nothing of the run outlives this process: the ranks (in sessions of their own under torchrun) and
+the processes they start end when it ends, however it ends (``runtime/lifetime.py``), and it is
+the subreaper of what a dead rank leaves (:func:`adopt_orphans`).
 
 Without ``--nproc-per-node`` (or under torchrun already) it is the trainer itself, in this process.
 ``--help``, a misspelt flag and every check of the flags alone answer before torch is imported;
@@ -27,6 +32,9 @@ import sys
 import tempfile
 
 import psutil
+
+from emapg_megatron.runtime.environment import environment
+from emapg_megatron.runtime.lifetime import PARENT_ENV
 
 #: torchrun's options this launcher takes (dash or underscore): the metavar of its value (None: it
 #: takes none) and its help. Everything else is the trainer's (torchrun's own --log-dir is not among them: it is ours).
@@ -77,26 +85,13 @@ def world_size(launcher: list[str]) -> int:
     return high * int(args.nproc_per_node)
 
 
-@contextlib.contextmanager
-def world_size_env(world: int):
-    """WORLD_SIZE as the launch would set it, for this process only while the block runs."""
-    previous = os.environ.get("WORLD_SIZE")
-    os.environ["WORLD_SIZE"] = str(world)
-    try:
-        yield
-    finally:
-        if previous is None:
-            del os.environ["WORLD_SIZE"]
-        else:
-            os.environ["WORLD_SIZE"] = previous
-
-
 def validate(trainer: list[str], world: int) -> None:
     """Every check the ranks would make before their process group, here, for ``world`` ranks."""
     from emapg_megatron import build
 
-    with world_size_env(world):
+    with environment(WORLD_SIZE=str(world)):
         build.prepare(trainer)
+
 
 
 def adopt_orphans() -> None:
@@ -135,7 +130,8 @@ def run_ranks(launcher: list[str], trainer: list[str], save: str | None = None) 
     os.environ[LAUNCHED_ENV] = "1"  # the ranks leave saying what a signal does to this process
     stops = StopRequests(save).install()
     try:
-        torchrun.run(args)
+        with environment(**{PARENT_ENV: str(os.getpid())}):  # the ranks end with this process
+            torchrun.run(args)
     except ChildFailedError as e:
         if stops.second is None:
             return failure_code(e.failures)
@@ -250,29 +246,38 @@ def check_flags(trainer: list[str]):
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        code = launch(list(sys.argv[1:] if argv is None else argv))
+    except KeyboardInterrupt:  # Ctrl-C while the trainer's modules import (10-30 s under load)
+        print("error: interrupted before training started", file=sys.stderr, flush=True)
+        code = 130
+    sys.exit(code)
+
+
+def launch(argv: list[str]) -> int:
+    """Validate, then run the ranks (or, in one process, the trainer itself); the exit code."""
     launcher, trainer = split_argv(argv)
     if "-h" in trainer or "--help" in trainer:
         print(help_text())
-        return
+        return 0
     cfg = check_flags(trainer)
     from emapg_megatron import train
 
     if cfg.launch.dry_run and launcher and "LOCAL_RANK" not in os.environ \
             and "WORLD_SIZE" not in os.environ:
-        with world_size_env(world_size(launcher)):  # the layout the launch would have
+        with environment(WORLD_SIZE=str(world_size(launcher))):  # the layout the launch would have
             train.main(trainer)
-        return
+        return 0
     if cfg.launch.dry_run or not launcher or "LOCAL_RANK" in os.environ:
         train.main(trainer)  # one process (a dry run, or a rank torchrun started): the trainer itself
-        return
+        return 0
     from emapg_megatron.training.prompt_cache import CACHE_DIR_ENV
 
-    with tempfile.TemporaryDirectory(prefix="emapg-prompts-") as cache:
+    # (the ranks delete it once they have read it: prompt_cache.release)
+    with tempfile.TemporaryDirectory(prefix="emapg-prompts-", ignore_cleanup_errors=True) as cache:
         os.environ[CACHE_DIR_ENV] = cache  # validation loads the prompts once; the ranks read them
         code = train.run_checked(lambda: validate(trainer, world_size(launcher)))
-        code = code or run_ranks(launcher, trainer, cfg.checkpoint.save)
-    sys.exit(code)
+        return code or run_ranks(launcher, trainer, cfg.checkpoint.save)
 
 
 if __name__ == "__main__":

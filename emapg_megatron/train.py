@@ -15,13 +15,13 @@ import sys
 
 import torch.distributed as dist
 
-from emapg_megatron import build, runtime
+from emapg_megatron import arguments, build, runtime
 from emapg_megatron.configurable import trajectory_dests
 from emapg_megatron.errors import CollectiveError, ConfigError, RunError, agreed
 from emapg_megatron.run import loop
 from emapg_megatron.run.metrics import MetricsLogger
 from emapg_megatron.run.outputs import clear_earlier_run
-from emapg_megatron.run.run_lock import lock_save_dir
+from emapg_megatron.run.run_lock import lock_outputs
 from emapg_megatron.training import prompt_cache
 from emapg_megatron.training.collectives import on_rank0
 
@@ -36,9 +36,10 @@ def run(argv=None) -> int:
     load, save, log = cfg.checkpoint.load, cfg.checkpoint.save, cfg.log
     runtime.initialize(cfg.parallel, cfg.loop.seed)
     prompt_cache.release()  # every rank has read the node's prompts: its process group exists
-    save_lock = None
+    locks = []
     try:
-        save_lock = lock_save_dir(save) if save else None  # one run per --save directory
+        locks = lock_outputs(save, log.log_dir)  # one run per --save and per --log-dir
+        on_rank0(lambda: arguments.validate_fresh_outputs(cfg))  # again, now that no other run can write them
         if cfg.checkpoint.overwrite and not load:
             cleared = on_rank0(lambda: clear_earlier_run(cfg.checkpoint, log))
             if cleared:
@@ -61,8 +62,8 @@ def run(argv=None) -> int:
         if png:
             loop.log0(f"metrics: {log.metrics_path}; curves: {png}")
     finally:
-        if save_lock is not None:
-            save_lock.release()
+        for lock in locks:
+            lock.release()
         runtime.destroy()
     return 0
 

@@ -16,7 +16,6 @@ the checkpoint hooks) next to :class:`~emapg_megatron.anchor.ema.EmaAnchor`.
 
 from __future__ import annotations
 
-import os
 import time
 from contextlib import contextmanager
 from dataclasses import replace
@@ -26,11 +25,12 @@ from megatron.core.transformer.module import Float16Module
 from emapg_megatron.anchor.config import TeacherConfig
 from emapg_megatron.checkpoint import load_hf_weights
 from emapg_megatron.checkpoint.convert import (
+    checkpoint_model_config,
     load_mcore,
-    read_checkpoint_metadata,
     training_step_dir,
 )
 from emapg_megatron.checkpoint.hf_config import model_config_from_hf, read_hf_config
+from emapg_megatron.checkpoint.hf_io import has_tokenizer
 from emapg_megatron.errors import ConfigError
 from emapg_megatron.models.config import ModelConfig, PrecisionConfig
 from emapg_megatron.models.gpt import build_for_this_rank
@@ -44,11 +44,10 @@ def teacher_model_config(teacher: TeacherConfig, student: ModelConfig, *, tp: in
     where = f"{teacher.flag} {teacher.path}"
     if teacher.load_hf:
         cfg, _ = model_config_from_hf(read_hf_config(teacher.load_hf))
-    else:
-        meta = read_checkpoint_metadata(training_step_dir(teacher.checkpoint))
-        cfg = ModelConfig.from_dict(meta["model_config"])
+    else:  # checked against the tensors it stores
+        cfg = checkpoint_model_config(training_step_dir(teacher.checkpoint))
     check_vocabulary(where, cfg.vocab_size, student.vocab_size,
-                     comparable=bool(teacher.load_hf) and _has_tokenizer_files(teacher.load_hf))
+                     comparable=bool(teacher.load_hf) and has_tokenizer(teacher.load_hf))
     if cfg.max_position_embeddings < seq_length:
         raise ConfigError(f"{where}: the teacher's position table ({cfg.max_position_embeddings}) is "
                           f"shorter than --seq-length {seq_length}")
@@ -75,15 +74,12 @@ def check_vocabulary(where: str, teacher_rows: int, student_rows: int, *, compar
                           "tokenizer files, checked to be the student's tokenizer (this one has none)")
 
 
-def _has_tokenizer_files(folder: str) -> bool:
-    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-    return any(os.path.isfile(os.path.join(folder, n)) for n in names)
-
-
 def check_same_tokenizer(teacher: TeacherConfig, student_tokenizer) -> None:
     """An HF teacher folder with tokenizer files must hold the student's tokenizer (same ids for
-    the same strings); a checkpoint (no tokenizer) is checked by its vocabulary size only."""
-    if not teacher.load_hf or not callable(getattr(student_tokenizer, "get_vocab", None)):
+    the same strings); a folder without them and a checkpoint are checked by their vocabulary
+    size only."""
+    if (not teacher.load_hf or not has_tokenizer(teacher.load_hf)
+            or not callable(getattr(student_tokenizer, "get_vocab", None))):
         return
     from transformers import AutoTokenizer
 

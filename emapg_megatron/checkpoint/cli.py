@@ -4,74 +4,134 @@
     emapg-convert mcore-to-hf --load M --out D [--hf-template D0]
     emapg-convert verify --hf-dir D --load M --tp T --pp P
 
-User errors (unsupported architecture, missing or mismatched tensors, TP not dividing the heads
-or groups, an existing output) print one ``error:`` line and exit with status 2.
+The flags are generated from one config per command (``emapg_megatron.configurable``: each
+option's range and help next to it). User errors (a bad option value, unsupported architecture,
+missing or mismatched tensors, a checkpoint's model config out of bounds or unlike its tensors,
+TP not dividing the heads or groups, an existing output, an output that is, holds or lies inside
+an input) print one ``error:`` line and exit with status 2, before anything is written.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
+from dataclasses import dataclass
 
-from emapg_megatron.checkpoint import convert, verify
+from emapg_megatron import configurable
+from emapg_megatron.configurable import above, at_least, between, option
 from emapg_megatron.errors import ConfigError
+from emapg_megatron.models.config import INT_LIMITS
+
+DESCRIPTION = ("Convert checkpoints between Hugging Face (safetensors) and Megatron-Core (torch_dist), "
+               "and compare their logits.")
+MAX_PARALLEL = 1024  # TP/PP sizes (each must also divide the heads, groups or layers)
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="emapg-convert", description=__doc__.split("\n\n")[0])
+@dataclass
+class HfToMcore:
+    """HF safetensors directory -> Megatron torch_dist checkpoint."""
+
+    hf_dir: str = option(path="dir")
+    """The Hugging Face model directory to convert (config.json and safetensors)."""
+    out: str = option()
+    """The checkpoint directory to write (apart from --hf-dir)."""
+    tp: int = option(1, range=between(1, MAX_PARALLEL))
+    """Tensor-parallel size the checkpoint will be trained at (vocabulary padding, head checks); it
+    loads at any TP."""
+    pp: int = option(1, range=between(1, MAX_PARALLEL))
+    """Pipeline-parallel size it will be trained at (checks that it divides the layers)."""
+    dtype: str | None = option(None, choices=("bf16", "fp32"))
+    """Stored dtype (default: the HF checkpoint's; fp16 becomes bf16)."""
+    make_vocab_size_divisible_by: int = option(128, range=between(1, INT_LIMITS["make_vocab_size_divisible_by"]))
+    """Pad the vocabulary to a multiple of this x --tp, as the trainer's flag of that name."""
+    overwrite: bool = option(False)
+    """Replace an existing --out (written aside first, swapped in when complete)."""
+    no_progress: bool = option(False)
+    """No progress bar."""
+
+
+@dataclass
+class McoreToHf:
+    """Megatron checkpoint -> HF safetensors directory."""
+
+    load: str = option(path="dir")
+    """The checkpoint to export: emapg-convert's, a trainer's --save directory (its latest step) or
+    one of its iter_N directories."""
+    out: str = option()
+    """The HF directory to write (apart from --load and the tokenizer's folder)."""
+    hf_template: str | None = option(None, path="dir")
+    """HF directory to take config.json extras and tokenizer files from (default: the --load-hf
+    folder the training run recorded, when it is still there)."""
+    max_shard_size_gb: float = option(5.0, range=above(0))
+    """Largest safetensors shard, in GiB (a larger tensor gets a shard of its own)."""
+    overwrite: bool = option(False)
+    """Replace an existing --out (written aside first, swapped in when complete)."""
+    no_progress: bool = option(False)
+    """No progress bar."""
+
+
+@dataclass
+class Verify:
+    """Compare the logits of the HF model and the Megatron checkpoint (prints JSON)."""
+
+    hf_dir: str = option(path="dir")
+    """The Hugging Face model directory (the reference: transformers, fp32, on the CPU)."""
+    load: str = option(path="dir")
+    """The Megatron checkpoint to compare (or a trainer's --save directory: its latest step)."""
+    tp: int = option(1, range=between(1, MAX_PARALLEL))
+    """Tensor-parallel size to load the checkpoint at (one rank per TP x PP)."""
+    pp: int = option(1, range=between(1, MAX_PARALLEL))
+    """Pipeline-parallel size to load it at."""
+    batch: int = option(2, range=at_least(1))
+    """Sequences of random tokens compared."""
+    seq_len: int = option(32, range=at_least(1))
+    """Tokens per sequence (at most the model's positions)."""
+    seed: int = option(0, range=at_least(0))
+    """Seed of the random tokens."""
+    device: str = option("cpu", choices=("cpu", "cuda"))
+    """Where the Megatron ranks run (the HF reference is always CPU fp32)."""
+
+
+COMMANDS = {"hf-to-mcore": HfToMcore, "mcore-to-hf": McoreToHf, "verify": Verify}
+
+
+def _parser() -> configurable.ArgumentParser:
+    p = configurable.ArgumentParser(prog="emapg-convert", description=DESCRIPTION)
     sub = p.add_subparsers(dest="command", required=True)
-
-    a = sub.add_parser("hf-to-mcore", help="HF safetensors directory -> Megatron torch_dist checkpoint")
-    a.add_argument("--hf-dir", required=True)
-    a.add_argument("--out", required=True)
-    a.add_argument("--tp", type=int, default=1, help="TP the checkpoint will be trained at (padding, checks)")
-    a.add_argument("--pp", type=int, default=1, help="PP the checkpoint will be trained at (checks)")
-    a.add_argument("--dtype", choices=("bf16", "fp32"), default=None,
-                   help="stored dtype (default: the HF checkpoint's, fp16 becomes bf16)")
-    a.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
-    a.add_argument("--overwrite", action="store_true")
-
-    b = sub.add_parser("mcore-to-hf", help="Megatron checkpoint -> HF safetensors directory")
-    b.add_argument("--load", required=True)
-    b.add_argument("--out", required=True)
-    b.add_argument("--hf-template", default=None,
-                   help="HF directory to take config.json extras and tokenizer files from")
-    b.add_argument("--max-shard-size-gb", type=float, default=5.0)
-    b.add_argument("--overwrite", action="store_true")
-
-    c = sub.add_parser("verify", help="compare logits of the HF model and the Megatron checkpoint")
-    c.add_argument("--hf-dir", required=True)
-    c.add_argument("--load", required=True)
-    c.add_argument("--tp", type=int, default=1)
-    c.add_argument("--pp", type=int, default=1)
-    c.add_argument("--batch", type=int, default=2)
-    c.add_argument("--seq-len", type=int, default=32)
-    c.add_argument("--seed", type=int, default=0)
-    c.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                   help="where the Megatron ranks run (the HF reference is always CPU fp32)")
-    for sp in (a, b):
-        sp.add_argument("--no-progress", action="store_true")
+    for name, config in COMMANDS.items():
+        doc = config.__doc__.strip()
+        configurable.add_arguments(sub.add_parser(name, help=doc, formatter_class=configurable.HelpFormatter),
+                                   config)
     return p
 
 
-def _run(args) -> dict:
-    if args.command == "hf-to-mcore":
-        return convert.hf_to_mcore(args.hf_dir, args.out, tp=args.tp, pp=args.pp, dtype=args.dtype,
-                                   make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-                                   overwrite=args.overwrite, progress=not args.no_progress)
-    if args.command == "mcore-to-hf":
-        return convert.mcore_to_hf(args.load, args.out, hf_template=args.hf_template,
-                                   max_shard_bytes=int(args.max_shard_size_gb * 1024**3),
-                                   overwrite=args.overwrite, progress=not args.no_progress)
-    return verify.verify(args.hf_dir, args.load, tp=args.tp, pp=args.pp, batch=args.batch,
-                         seq_len=args.seq_len, seed=args.seed, device=args.device)
+def parse_args(argv: list[str] | None = None):
+    """``(command, its config)``, every option checked (ConfigError with one line)."""
+    values = vars(_parser().parse_args(argv))
+    cfg = configurable.build(COMMANDS[values["command"]], values)
+    configurable.check_fields(cfg)
+    configurable.check_paths(cfg)
+    return values["command"], cfg
+
+
+def _run(command: str, cfg) -> dict:
+    from emapg_megatron.checkpoint import convert, verify  # Megatron: after the flags are checked
+
+    if command == "hf-to-mcore":
+        return convert.hf_to_mcore(cfg.hf_dir, cfg.out, tp=cfg.tp, pp=cfg.pp, dtype=cfg.dtype,
+                                   make_vocab_size_divisible_by=cfg.make_vocab_size_divisible_by,
+                                   overwrite=cfg.overwrite, progress=not cfg.no_progress)
+    if command == "mcore-to-hf":
+        return convert.mcore_to_hf(cfg.load, cfg.out, hf_template=cfg.hf_template,
+                                   max_shard_bytes=max(1, int(cfg.max_shard_size_gb * 1024**3)),
+                                   overwrite=cfg.overwrite, progress=not cfg.no_progress)
+    return verify.verify(cfg.hf_dir, cfg.load, tp=cfg.tp, pp=cfg.pp, batch=cfg.batch,
+                         seq_len=cfg.seq_len, seed=cfg.seed, device=cfg.device)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
     try:
-        result = _run(args)
+        result = _run(*parse_args(argv))
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -23,12 +23,14 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as ps
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from tqdm import tqdm
 
 from emapg_megatron import mcore_compat, runtime
 from emapg_megatron.checkpoint.files import (
     atomic_dir,
     check_new_output,
+    check_output_apart,
     commit,
     temp_dir_for,
 )
@@ -47,21 +49,30 @@ from emapg_megatron.checkpoint.hf_io import (
 )
 from emapg_megatron.checkpoint.hf_mapping import HFMapping
 from emapg_megatron.checkpoint.paths import TRACKER, iteration_dir
-from emapg_megatron.checkpoint.safe_load import load_verified, read_json
+from emapg_megatron.checkpoint.safe_load import (
+    DCP_METADATA,
+    load_verified,
+    read_dcp_metadata,
+    read_json,
+)
 from emapg_megatron.checkpoint.training import latest_iteration
 from emapg_megatron.checkpoint.weights import (
     export_hf_weights,
     high_precision,
     load_hf_weights,
 )
-from emapg_megatron.errors import ConfigError
+from emapg_megatron.errors import ConfigError, shown
 from emapg_megatron.models.config import ModelConfig, PrecisionConfig
 from emapg_megatron.models.gpt import build_gpt_model, unwrap
 from emapg_megatron.multiprocess import free_port
+from emapg_megatron.runtime.environment import environment
 from emapg_megatron.training.collectives import on_rank0
 
 METADATA = "emapg_model_config.json"
 FORMAT = "emapg-mcore-v1"
+MAX_SAVED_PARALLEL = 1024  # the TP / PP a checkpoint records it was saved at (sizes its padding)
+#: The keys of the model's own tensors in a checkpoint (the optimizer's, the EMA's ... carry prefixes).
+MODEL_KEY_PREFIXES = ("embedding.", "decoder.", "output_layer.")
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 DTYPES = tuple(TORCH_DTYPES)
 # One process, nothing to communicate: small buckets only bound the export's transient copies.
@@ -94,6 +105,10 @@ def architecture_for(cfg: ModelConfig) -> str | None:
 
 
 def read_checkpoint_metadata(ckpt_dir: str | Path) -> dict:
+    """:data:`METADATA` of ``ckpt_dir``, its entries checked (the model config is checked by
+    :func:`checked_checkpoint`); ConfigError in one line."""
+    if not Path(ckpt_dir).is_dir():
+        raise ConfigError(f"checkpoint directory {ckpt_dir} does not exist")
     path = Path(ckpt_dir) / METADATA
     if not path.is_file():
         raise ConfigError(f"{ckpt_dir} has no {METADATA}: not a checkpoint written by emapg-megatron")
@@ -101,13 +116,75 @@ def read_checkpoint_metadata(ckpt_dir: str | Path) -> dict:
     if not isinstance(meta, dict) or not isinstance(meta.get("model_config"), dict):
         raise ConfigError(f"corrupt checkpoint metadata {path}: not an object with a model_config")
     if meta.get("format") != FORMAT:
-        raise ConfigError(f"{path}: unknown format {meta.get('format')!r} (expected {FORMAT})")
+        raise ConfigError(f"{path}: unknown format {shown(meta.get('format'))} (expected {FORMAT})")
+    for name, known in (("architecture", ARCHITECTURES), ("dtype", DTYPES)):
+        if meta.get(name) is not None and meta[name] not in known:  # required where used
+            raise ConfigError(f"{path}: {name} {shown(meta[name])} must be one of {', '.join(known)}")
+    for name, kind in (("hf_config", dict), ("hf_dir", str)):
+        if meta.get(name) is not None and not isinstance(meta[name], kind):
+            raise ConfigError(f"{path}: {name} must be a JSON {'object' if kind is dict else 'string'} "
+                              f"(got {shown(meta[name])})")
+    for name in ("saved_tp", "saved_pp"):
+        value = meta.get(name, 1)
+        if type(value) is not int or not 1 <= value <= MAX_SAVED_PARALLEL:
+            raise ConfigError(f"{path}: {name} must be an integer from 1 to {MAX_SAVED_PARALLEL} "
+                              f"(got {shown(value)})")
     return meta
 
 
+def checked_checkpoint(ckpt_dir: str | Path) -> tuple[dict, ModelConfig]:
+    """(:data:`METADATA`, the :class:`ModelConfig` it stores) of ``ckpt_dir``, before anything is
+    built from them: the config's entries of the right types and bounds, its heads, groups and
+    width consistent, and equal to the model tensors the checkpoint holds."""
+    meta = read_checkpoint_metadata(ckpt_dir)
+    where = str(Path(ckpt_dir) / METADATA)
+    cfg = ModelConfig.from_dict(meta["model_config"], where)
+    try:
+        cfg.validate()
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+    check_stored_tensors(ckpt_dir, cfg, f"the model config in {where}")
+    return meta, cfg
+
+
 def checkpoint_model_config(ckpt_dir: str | Path) -> ModelConfig:
-    """The :class:`ModelConfig` stored with a checkpoint (for ``--load`` without ``--load-hf``)."""
-    return ModelConfig.from_dict(read_checkpoint_metadata(ckpt_dir)["model_config"])
+    """The :class:`ModelConfig` stored with a checkpoint (for ``--load`` without ``--load-hf``),
+    checked (:func:`checked_checkpoint`)."""
+    return checked_checkpoint(ckpt_dir)[1]
+
+
+def check_stored_tensors(ckpt_dir: str | Path, cfg: ModelConfig, what: str) -> None:
+    """Refuse, in one line, a model ``cfg`` whose tensors differ from the model tensors the
+    ``torch_dist`` checkpoint ``ckpt_dir`` stores (their global shapes, read from its checked
+    ``.metadata``): Megatron would build the model and then stop in the load with a traceback,
+    or ignore a stored tensor the model lacks. A folder without ``.metadata`` is no such
+    checkpoint: its load refuses it."""
+    index = os.path.join(ckpt_dir, DCP_METADATA)
+    if not os.path.lexists(index):  # no torch_dist checkpoint: refused in one line when it is loaded
+        return
+    metadata = read_dcp_metadata(index)
+    stored = {key: tuple(m.size) for key, m in metadata.state_dict_metadata.items()
+              if isinstance(m, TensorStorageMetadata) and key.startswith(MODEL_KEY_PREFIXES)}
+    expected = HFMapping(cfg).stored_shapes()
+    problems = [f"{key} is not stored" for key in expected if key not in stored]
+    problems += [f"{key} is stored but not in the model" for key in stored if key not in expected]
+    problems += [f"{key}: stored {stored[key]}, expected {_shape_text(shape)}"
+                 for key, shape in expected.items() if key in stored and not _fits(stored[key], shape, cfg)]
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise ConfigError(f"{what} does not describe the tensors {ckpt_dir} holds: "
+                          f"{'; '.join(problems[:3])}{more}")
+
+
+def _fits(stored: tuple, expected: tuple, cfg: ModelConfig) -> bool:
+    """Whether a stored shape is the expected one; a vocabulary dimension (None) holds the
+    vocabulary, padded."""
+    return len(stored) == len(expected) and all(
+        s == e or (e is None and s >= cfg.vocab_size) for s, e in zip(stored, expected))
+
+
+def _shape_text(shape: tuple) -> str:
+    return "(" + ", ".join("padded vocabulary" if d is None else str(d) for d in shape) + ")"
 
 
 def save_mcore(model_chunks, out_dir: str | Path, metadata: dict, *, overwrite: bool = False) -> None:
@@ -182,29 +259,13 @@ def single_process_runtime():
         return
     if int(os.environ.get("WORLD_SIZE", "1")) != 1:
         raise ConfigError("run the converter as a single process (not under torchrun)")
-    with _environment(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+    with environment(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(free_port())):
         runtime.initialize(runtime.ParallelConfig(device="cpu"))
         try:
             yield
         finally:
             runtime.destroy()
-
-
-@contextmanager
-def _environment(**values: str):
-    """``values`` in the environment for the block, then the environment as it was (a caller's
-    later launch must not inherit a rank's variables)."""
-    before = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in before.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _build_tp1(cfg: ModelConfig, tp: int, dtype: str):
@@ -235,6 +296,7 @@ def hf_to_mcore(hf_dir: str | Path, out: str | Path, *, tp: int = 1, pp: int = 1
     groups and layers and set the vocabulary padding; the checkpoint loads at any TP/PP.
     Everything is validated before anything is written. Returns a summary dict.
     """
+    check_output_apart(out, {"--hf-dir": hf_dir})
     hf_cfg = read_hf_config(hf_dir)
     cfg, arch = model_config_from_hf(hf_cfg, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
     cfg.validate(tp, pp)
@@ -261,9 +323,13 @@ def mcore_to_hf(load: str | Path, out: str | Path, *, hf_template: str | Path | 
 
     ``load``: a checkpoint of :func:`hf_to_mcore` / :func:`save_mcore`, a trainer's ``--save``
     directory (its latest step) or one of its ``iter_N`` directories. Returns a summary dict."""
-    load = training_step_dir(load)
-    meta = read_checkpoint_metadata(load)
-    cfg, arch, dtype = ModelConfig.from_dict(meta["model_config"]), meta["architecture"], meta["dtype"]
+    step_dir = training_step_dir(load)
+    meta, cfg = checked_checkpoint(step_dir)
+    arch, dtype = meta.get("architecture"), meta.get("dtype")
+    if arch is None or dtype is None:
+        raise ConfigError(f"{step_dir}/{METADATA} records no architecture or dtype: it cannot be exported")
+    tokenizer_dir = hf_template or _recorded_hf_dir(meta)
+    check_output_apart(out, {"--load": load, "the tokenizer folder": tokenizer_dir})
     base = meta.get("hf_config")
     if hf_template is not None:
         base = read_hf_config(hf_template)
@@ -273,7 +339,7 @@ def mcore_to_hf(load: str | Path, out: str | Path, *, hf_template: str | Path | 
     torch_dtype = TORCH_DTYPES[dtype]
     with atomic_dir(out, overwrite=overwrite) as tmp, single_process_runtime():
         model = _build_tp1(cfg, meta.get("saved_tp", 1), dtype)
-        load_mcore([model], load)
+        load_mcore([model], step_dir)
         stream = export_hf_weights([model], cfg, bucket_bytes=EXPORT_BUCKET_BYTES, dtype=torch_dtype)
         with StreamingSafetensorsWriter(tmp, plan, torch_dtype, max_shard_bytes) as writer:
             for name, tensor in tqdm(stream, total=len(plan), desc="export HF weights",
@@ -281,7 +347,6 @@ def mcore_to_hf(load: str | Path, out: str | Path, *, hf_template: str | Path | 
                 writer.add(name, tensor)
             files = writer.close()
         (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")
-        tokenizer_dir = hf_template or _recorded_hf_dir(meta)
         copied = copy_tokenizer_files(tokenizer_dir, tmp) if tokenizer_dir is not None else []
     return {"out": str(out), "architecture": arch, "dtype": dtype, "bytes": writer.total_bytes,
             "shards": files, "tokenizer_files": copied}

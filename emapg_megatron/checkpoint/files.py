@@ -22,6 +22,26 @@ def check_new_output(out: Path, overwrite: bool) -> None:
         raise ConfigError(f"{out} already exists (pass --overwrite to replace it)")
 
 
+def check_output_apart(out: str | Path, inputs: dict[str, str | Path | None]) -> None:
+    """Refuse an output directory that is, contains or lies inside one of ``inputs`` (``{flag:
+    path}``, links resolved): writing it (with --overwrite: replacing it) would destroy or
+    change what the conversion reads."""
+    target = os.path.realpath(out)
+    for flag, path in inputs.items():
+        if path is None:
+            continue
+        source = os.path.realpath(path)
+        relation = ("is" if target == source else "contains" if _inside(source, target)
+                    else "is inside" if _inside(target, source) else None)
+        if relation:
+            raise ConfigError(f"--out {out} {relation} {flag} {path} (links resolved): writing it would "
+                              "replace what the conversion reads; choose an --out apart from it")
+
+
+def _inside(path: str, folder: str) -> bool:
+    return os.path.commonpath([path, folder]) == folder
+
+
 def _with_umask(mode: int) -> int:
     umask = os.umask(0)
     os.umask(umask)

@@ -9,13 +9,12 @@ or lie outside :data:`_INT_LIMITS` (:func:`check_hf_config`), before anything is
 
 from __future__ import annotations
 
-import math
 import os
 from pathlib import Path
 
-from emapg_megatron.checkpoint.safe_load import read_json, shown
-from emapg_megatron.errors import ConfigError
-from emapg_megatron.models.config import ModelConfig
+from emapg_megatron.checkpoint.safe_load import read_json
+from emapg_megatron.errors import ConfigError, shown
+from emapg_megatron.models.config import INT_LIMITS, ModelConfig, is_number
 
 # architecture -> (model_type, q/k/v bias, q/k layernorm)
 ARCHITECTURES = {
@@ -33,20 +32,19 @@ _DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 MAX_CONFIG_BYTES = 16 << 20  # a config.json is a few KB
 
-# Upper bounds of the architecture's integers, each far above released models (Llama 3.1 405B:
-# 126 layers, 128 heads, width 16384, FFN 53248; vocabularies up to ~256k) and low enough that a
-# hostile config.json cannot make the converter or the trainer build per-layer tables or
-# embeddings without end. name: (required, upper bound)
-_INT_LIMITS = {
-    "vocab_size": (True, 1 << 21),
-    "hidden_size": (True, 1 << 16),
-    "intermediate_size": (True, 1 << 18),
-    "num_hidden_layers": (True, 1024),
-    "num_attention_heads": (True, 1024),
-    "num_key_value_heads": (False, 1024),
-    "head_dim": (False, 4096),
-    "max_position_embeddings": (False, 1 << 24),
-}
+# The architecture's integers under their HF names: name -> (required, upper bound), the bounds
+# of the ModelConfig fields they become (models.config.INT_LIMITS), so that a config.json and a
+# checkpoint's model config are held to the same limits.
+_INT_LIMITS = {hf: (required, INT_LIMITS[ours]) for hf, ours, required in (
+    ("vocab_size", "vocab_size", True),
+    ("hidden_size", "hidden_size", True),
+    ("intermediate_size", "ffn_hidden_size", True),
+    ("num_hidden_layers", "num_layers", True),
+    ("num_attention_heads", "num_attention_heads", True),
+    ("num_key_value_heads", "num_query_groups", False),
+    ("head_dim", "kv_channels", False),
+    ("max_position_embeddings", "max_position_embeddings", False),
+)}
 # Entries read as positive numbers, at the top level and in rope_parameters / rope_scaling.
 _POSITIVE = ("rope_theta", "rms_norm_eps", "factor", "low_freq_factor", "high_freq_factor",
              "original_max_position_embeddings")
@@ -66,10 +64,6 @@ def read_hf_config(hf_dir: str | Path) -> dict:
     return hf
 
 
-def _is_number(value) -> bool:
-    return type(value) in (int, float) and math.isfinite(value)
-
-
 def check_hf_config(hf: dict, where: str = "config.json") -> None:
     """Refuse, naming ``where``, a config whose entries :func:`model_config_from_hf` reads have
     the wrong type or lie outside :data:`_INT_LIMITS` / :data:`_POSITIVE`."""
@@ -87,11 +81,11 @@ def check_hf_config(hf: dict, where: str = "config.json") -> None:
                             ("rope_scaling.", hf.get("rope_scaling") or {})):
         for name in _POSITIVE:
             value = entries.get(name)
-            if value is not None and not (_is_number(value) and value > 0):
+            if value is not None and not (is_number(value) and value > 0):
                 raise ConfigError(f"{where}: {prefix}{name} must be a positive number "
                                   f"(got {shown(value)})")
     std = hf.get("initializer_range")
-    if std is not None and not (_is_number(std) and std >= 0):
+    if std is not None and not (is_number(std) and std >= 0):
         raise ConfigError(f"{where}: initializer_range must be a number >= 0 (got {shown(std)})")
 
 
@@ -235,13 +229,13 @@ def hf_config_from_model(cfg: ModelConfig, arch: str, *, base: dict | None = Non
     return out
 
 
-def check_same_architecture(template: dict, cfg: ModelConfig) -> None:
-    """A template config.json must describe the same network as ``cfg``."""
+def check_same_architecture(template: dict, cfg: ModelConfig, flag: str = "--hf-template") -> None:
+    """A template config.json (given by ``flag``) must describe the same network as ``cfg``."""
     other, _ = model_config_from_hf(template)
     diffs = [f"{n}: template {theirs!r} != checkpoint {mine!r}"
              for n, mine, theirs in architecture_diffs(cfg, other)]
     if diffs:
-        raise ConfigError("--hf-template describes a different model: " + "; ".join(diffs))
+        raise ConfigError(f"{flag} describes a different model: " + "; ".join(diffs))
 
 
 def architecture_diffs(a: ModelConfig, b: ModelConfig) -> list[tuple[str, object, object]]:

@@ -32,6 +32,15 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
                    "merges.txt", "special_tokens_map.json", "added_tokens.json",
                    "generation_config.json", "chat_template.jinja", "chat_template.json")
 
+#: The files that hold a tokenizer's vocabulary (one suffices). Without any, transformers builds a
+#: tokenizer of one token from config.json that encodes every text to nothing.
+TOKENIZER_VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
+def has_tokenizer(hf_dir: str | Path) -> bool:
+    """Whether the HF folder ``hf_dir`` holds a tokenizer's vocabulary."""
+    return any((Path(hf_dir) / name).is_file() for name in TOKENIZER_VOCAB_FILES)
+
 
 class SafetensorsReader:
     """Lazy access to the tensors of an HF model directory (single file or sharded with index).

@@ -27,6 +27,7 @@ The layouts (Megatron-Core 0.16, ``get_gpt_layer_*_spec``):
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -245,6 +246,23 @@ class HFMapping:
     def lookup(self, megatron_name: str) -> Entry | None:
         """The entry for a global Megatron param name (TE-fused or local-spec naming)."""
         return self._by_name.get(megatron_name)
+
+    def stored_shapes(self) -> dict[str, tuple[int | None, ...]]:
+        """The global shape of each model tensor a ``torch_dist`` checkpoint of this model stores,
+        by Megatron's key: a layer's tensors stacked on a leading dimension of ``num_layers``
+        (``decoder.layers.X``); the vocabulary dimension None (padded to the saver's TP). The tied
+        output layer is not stored."""
+        shapes = {}
+        for e in self.entries:
+            if e.megatron == "output_layer.weight" and not e.export:
+                continue
+            if isinstance(e.codec, VocabParallel):
+                shape = (None, *e.hf_shapes[0][1:])
+            else:  # the fused tensors stack their HF parts' rows
+                shape = (sum(s[0] for s in e.hf_shapes), *e.hf_shapes[0][1:])
+            key, layered = re.subn(r"^decoder\.layers\.\d+\.", "decoder.layers.", e.megatron)
+            shapes[key] = (self.cfg.num_layers, *shape) if layered else shape
+        return shapes
 
     def expected_hf_shapes(self) -> dict[str, tuple[int, ...]]:
         return {n: s for e in self.entries for n, s in zip(e.hf, e.hf_shapes)}

@@ -49,7 +49,7 @@ from megatron.core import dist_checkpointing
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from emapg_megatron import mcore_compat
-from emapg_megatron.errors import ConfigError
+from emapg_megatron.errors import ConfigError, shown
 from emapg_megatron.training.collectives import on_rank0
 
 METADATA_JSON = "metadata.json"
@@ -118,12 +118,6 @@ def first_line(e: BaseException) -> str:
     """``Type: first line of the message`` (torch's and megatron's span many lines)."""
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
-
-
-def shown(value, limit: int = 60) -> str:
-    """``repr(value)``, cut to ``limit`` characters: a hostile value stays one short line."""
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _refusal(path: str, what: str) -> ConfigError:

@@ -16,7 +16,9 @@ from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_regi
 from transformers import AutoModelForCausalLM
 
 from emapg_megatron import runtime
-from emapg_megatron.checkpoint.convert import checkpoint_model_config, load_mcore
+from emapg_megatron.checkpoint.convert import checkpoint_model_config, load_mcore, training_step_dir
+from emapg_megatron.checkpoint.hf_config import check_same_architecture, read_hf_config
+from emapg_megatron.errors import ConfigError
 from emapg_megatron.models.gpt import build_for_this_rank
 from emapg_megatron.multiprocess import run_distributed
 
@@ -71,11 +73,30 @@ def compare_logits(ours: torch.Tensor, ref: torch.Tensor) -> dict:
     }
 
 
+#: The most bytes the compared logits (fp32, each side) may take: the check needs a few tokens.
+MAX_LOGITS_BYTES = 1 << 30
+
+
+def check_tokens(batch: int, seq_len: int, cfg) -> None:
+    """``batch`` x ``seq_len`` random tokens fit the model's positions and the logits bound."""
+    if seq_len > cfg.max_position_embeddings:
+        raise ConfigError(f"--seq-len {seq_len} exceeds the model's {cfg.max_position_embeddings} positions")
+    nbytes = batch * seq_len * cfg.padded_vocab_size(1) * 4
+    if nbytes > MAX_LOGITS_BYTES:
+        raise ConfigError(f"--batch {batch} x --seq-len {seq_len} tokens need {nbytes / 2**30:.1f} GiB of "
+                          f"logits per side, more than the {MAX_LOGITS_BYTES >> 30} GiB allowed: the check "
+                          "needs a few tokens (the defaults are 2 x 32)")
+
+
 def verify(hf_dir: str | Path, ckpt_dir: str | Path, *, tp: int = 1, pp: int = 1, batch: int = 2,
            seq_len: int = 32, seed: int = 0, device: str = "cpu", timeout: float = 1800.0) -> dict:
-    """Logit agreement between the HF model and the Megatron checkpoint loaded at TP x PP."""
+    """Logit agreement between the HF model and the Megatron checkpoint loaded at TP x PP.
+    ``ckpt_dir``: a checkpoint, or a trainer's ``--save`` directory (its latest step)."""
+    ckpt_dir = training_step_dir(ckpt_dir)
     cfg = checkpoint_model_config(ckpt_dir)
     cfg.validate(tp, pp)
+    check_tokens(batch, seq_len, cfg)
+    check_same_architecture(read_hf_config(hf_dir), cfg, "--hf-dir")
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, cfg.vocab_size, (batch, seq_len), generator=g)
     results = run_distributed(_verify_rank, tp * pp, tp=tp, pp=pp, args=(str(ckpt_dir), tokens),

@@ -5,6 +5,7 @@ layers compute (:class:`PrecisionConfig`) and the model as the command line desc
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING
 
@@ -14,13 +15,45 @@ from emapg_megatron.configurable import (
     check_fields,
     option,
 )
-from emapg_megatron.errors import ConfigError
+from emapg_megatron.errors import ConfigError, shown
 
 if TYPE_CHECKING:
     import torch
 
 SYNTHETIC_VOCAB = 13
 """Token ids of the built-in synthetic task's tokenizer (tasks.synthetic.CharTokenizer)."""
+
+#: Upper bounds of the architecture's integers (each at least 1), far above released models (Llama
+#: 3.1 405B: 126 layers, 128 heads, width 16384, FFN 53248; vocabularies up to ~256k) and low
+#: enough that a hostile config (an HF config.json, a checkpoint's model config) cannot make the
+#: converter or the trainer build per-layer tables or embeddings without end. The HF config's
+#: checks (checkpoint/hf_config.py) apply the same bounds under the HF names.
+INT_LIMITS = {
+    "vocab_size": 1 << 21,
+    "hidden_size": 1 << 16,
+    "ffn_hidden_size": 1 << 18,
+    "num_layers": 1024,
+    "num_attention_heads": 1024,
+    "num_query_groups": 1024,
+    "kv_channels": 4096,
+    "max_position_embeddings": 1 << 24,
+    "make_vocab_size_divisible_by": 1 << 16,
+}
+#: Fields read as positive finite numbers.
+POSITIVE = ("rotary_base", "rope_scaling_factor", "norm_epsilon")
+_BOOLS = ("add_qkv_bias", "qk_layernorm", "tie_word_embeddings")
+
+
+def is_number(value) -> bool:
+    """A finite int or float (not a bool, not a string)."""
+    return type(value) in (int, float) and math.isfinite(value)
+
+
+def check_int(name: str, value, where: str) -> None:
+    """``value`` is an integer from 1 to :data:`INT_LIMITS` ``[name]``; ConfigError naming ``where``."""
+    upper = INT_LIMITS[name]
+    if type(value) is not int or not 1 <= value <= upper:
+        raise ConfigError(f"{where}: {name} must be an integer from 1 to {upper} (got {shown(value)})")
 
 
 @dataclass
@@ -64,12 +97,37 @@ class ModelConfig:
     """Anything else carried along (not used by the model build)."""
 
     @classmethod
-    def from_dict(cls, d: dict) -> "ModelConfig":
-        names = {f.name for f in fields(cls)}
-        unknown = set(d) - names
+    def from_dict(cls, d: dict, where: str = "model config") -> "ModelConfig":
+        """The config ``d`` (what :meth:`to_dict` wrote), its entries checked for type and bounds
+        before anything is sized by them (:data:`INT_LIMITS`, :data:`POSITIVE`); ConfigError
+        naming ``where``."""
+        if not isinstance(d, dict):
+            raise ConfigError(f"{where}: a {type(d).__name__}, not an object")
+        unknown = set(d) - {f.name for f in fields(cls)}
         if unknown:
-            raise ConfigError(f"unknown model config keys: {sorted(unknown)}")
-        return cls(**d)
+            raise ConfigError(f"{where}: unknown model config keys: {shown(sorted(map(str, unknown)))}")
+        cfg = cls(**d)
+        cfg.check_entries(where)
+        return cfg
+
+    def check_entries(self, where: str = "model config") -> None:
+        """Each field of the right type and within its bounds (ConfigError naming ``where``)."""
+        for name in INT_LIMITS:
+            value = getattr(self, name)
+            if value is not None or name not in ("num_query_groups", "kv_channels"):
+                check_int(name, value, where)
+        for name in POSITIVE:
+            value = getattr(self, name)
+            if not (value is None and name == "rope_scaling_factor") and not (is_number(value) and value > 0):
+                raise ConfigError(f"{where}: {name} must be a positive number (got {shown(value)})")
+        if not (is_number(self.init_method_std) and self.init_method_std >= 0):
+            raise ConfigError(f"{where}: init_method_std must be a number >= 0 "
+                              f"(got {shown(self.init_method_std)})")
+        for name in _BOOLS:
+            if type(getattr(self, name)) is not bool:
+                raise ConfigError(f"{where}: {name} must be true or false (got {shown(getattr(self, name))})")
+        if not isinstance(self.extra, dict):
+            raise ConfigError(f"{where}: extra must be an object (got {shown(self.extra)})")
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -20,7 +20,7 @@ from typing import Protocol
 import torch
 from megatron.core import parallel_state as ps
 
-from emapg_megatron.errors import ConfigError
+from emapg_megatron.errors import ConfigError, agreed
 from emapg_megatron.rollout.engine import RolloutBatch, build_rollout_batch
 from emapg_megatron.rollout.partial import InFlight, Pending, lag_stats
 from emapg_megatron.tasks.base import encode_text
@@ -208,10 +208,14 @@ class PartialRollouts:
         """The saved pool; a checkpoint of a run without partial rollouts has none: start at the
         data position that run's next step would take (step i takes rows i*B .. i*B+B-1)."""
         if "in_flight" in common:
-            try:
-                self.pool.load_state_dict(common["in_flight"])
-            except (KeyError, TypeError, ValueError, AttributeError) as e:  # a damaged file: one line
-                raise ConfigError(f"corrupt checkpoint: its partial-rollout pool cannot be read ({e!r})") from None
+            # (an engine that states no vocabulary or length, a test double, leaves those unchecked)
+            vocab, length = getattr(self.engine, "vocab_size", None), getattr(self.engine, "seq_length", None)
+            try:  # a damaged or foreign pool: one line, before any rank continues it
+                self.pool.check_state(common["in_flight"], iteration=int(common.get("iteration", 0)),
+                                      vocab_size=vocab, max_tokens=None if length is None else length - 1)
+            except (TypeError, ValueError) as e:  # every rank reads the same pool: said once
+                raise agreed(ConfigError(f"corrupt checkpoint: its partial-rollout pool: {e}")) from None
+            self.pool.load_state_dict(common["in_flight"])
             return
         next_step = int(common.get("iteration", 0)) + 1
         self.pool.load_state_dict({"cursor": next_step * self.shape.batch_size, "groups": []})

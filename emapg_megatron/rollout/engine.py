@@ -73,6 +73,9 @@ class RolloutEngine(Protocol):
 class ContinuingEngine(RolloutEngine, Protocol):
     """An engine that can continue sequences across steps (partial rollouts)."""
 
+    vocab_size: int
+    """The ids it samples are 0 .. vocab_size - 1 (a pool read back from a checkpoint is checked)."""
+
     def continue_sequences(self, seqs: Sequence[Any], *, temperature: float, top_p: float,
                            max_new_tokens: int, stop: Sequence[str] | None = None, enough=None,
                            agree=None) -> Any:

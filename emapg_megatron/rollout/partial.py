@@ -18,12 +18,24 @@ prompt's position in the data order and ``k`` its index in the group: the same s
 same uniforms whichever step continues it, so a sequence continued under unchanged weights
 equals the one generated in one go.
 
+A pool read back from a checkpoint is checked against these invariants first
+(:meth:`InFlight.check_state`): whole groups of ``n`` samples at drawn data positions, token ids
+in the vocabulary, one finite log-prob and one policy version per token, versions no later than
+the checkpoint's step allows (a version from the future would never go stale).
+
 Nothing here imports Megatron: the maths is tested on its own (tests/rollout/test_partial.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, fields
+
+from emapg_megatron.errors import shown
+
+FINISH_REASONS = ("", "stop", "length")  # "": unfinished
+#: A sampled token's log-probability is <= 0; this much above is rounding.
+_LOGPROB_SLACK = 1e-3
 
 
 @dataclass
@@ -162,3 +174,64 @@ class InFlight:
     def load_state_dict(self, state: dict) -> None:
         self.cursor = int(state["cursor"])
         self.groups = [Group(int(g["pos"]), [Sample(**s) for s in g["samples"]]) for g in state["groups"]]
+
+    def check_state(self, state, *, iteration: int, vocab_size: int | None, max_tokens: int | None) -> None:
+        """Refuse a :meth:`state_dict` (of a checkpoint of step ``iteration``) that breaks the
+        pool's invariants: ValueError naming the group and sample and what is wrong. A bound
+        given as None (the vocabulary, the tokens a sample may hold) is not checked."""
+        if not isinstance(state, dict) or not isinstance(state.get("groups"), list):
+            raise ValueError(f"it is {shown(state)}, not a cursor and a list of groups")
+        cursor = _int(state.get("cursor"), 0, 1 << 62, "its cursor")
+        if len(state["groups"]) > self.pool_size:
+            raise ValueError(f"{len(state['groups'])} groups, more than the pool's {self.pool_size}")
+        seen = set()
+        for i, g in enumerate(state["groups"]):
+            where = f"group {i}"
+            if not isinstance(g, dict) or not isinstance(g.get("samples"), list):
+                raise ValueError(f"{where} is {shown(g)}, not a position and a list of samples")
+            pos = _int(g.get("pos"), 0, cursor - 1, f"{where}: its data position")
+            if pos in seen:
+                raise ValueError(f"{where}: data position {pos} is in flight twice")
+            seen.add(pos)
+            where += f" (data position {pos})"
+            if len(g["samples"]) != self.n:
+                raise ValueError(f"{where} holds {len(g['samples'])} samples, not --num-samples-per-prompt {self.n}")
+            for k, sample in enumerate(g["samples"]):
+                _check_sample(sample, f"{where}, sample {k}", iteration, vocab_size, max_tokens)
+
+
+_SAMPLE_FIELDS = {f.name for f in fields(Sample)}
+
+
+def _int(value, low: int, high: int, what: str) -> int:
+    if type(value) is not int or not low <= value <= high:
+        raise ValueError(f"{what} is {shown(value)}, not an integer from {low} to {high}")
+    return value
+
+
+def _check_sample(sample, where: str, iteration: int, vocab_size: int | None, max_tokens: int | None) -> None:
+    """One sample's invariants (see :meth:`InFlight.check_state`)."""
+    if not isinstance(sample, dict) or set(sample) != _SAMPLE_FIELDS:
+        raise ValueError(f"{where} is {shown(sample)}, not a sample ({', '.join(sorted(_SAMPLE_FIELDS))})")
+    start = _int(sample["start_step"], 1, iteration, f"{where}: its start step")
+    tokens, logprobs, versions = sample["tokens"], sample["logprobs"], sample["versions"]
+    if not all(isinstance(x, list) for x in (tokens, logprobs, versions)):
+        raise ValueError(f"{where}: its tokens, log-probs and versions are not lists")
+    if not len(tokens) == len(logprobs) == len(versions):
+        raise ValueError(f"{where}: {len(tokens)} tokens, {len(logprobs)} log-probs and {len(versions)} "
+                         "versions (one of each per token)")
+    if max_tokens is not None and len(tokens) > max_tokens:
+        raise ValueError(f"{where}: {len(tokens)} tokens, more than --seq-length allows ({max_tokens})")
+    ids = range(vocab_size) if vocab_size is not None else range(1 << 62)
+    bad = next((t for t in tokens if type(t) is not int or t not in ids), None)
+    if bad is not None:
+        raise ValueError(f"{where}: token {shown(bad)} is not an id of the vocabulary (0 to {ids[-1]})")
+    if any(type(x) not in (int, float) or not math.isfinite(x) or x > _LOGPROB_SLACK for x in logprobs):
+        raise ValueError(f"{where}: a log-prob is not a finite number <= 0")
+    # the policy that samples at step s is version s - 1: from the sample's start to the checkpoint's step
+    if any(type(v) is not int or not start - 1 <= v <= iteration - 1 for v in versions) or versions != sorted(versions):
+        raise ValueError(f"{where}: its policy versions {shown(versions)} are not in order from {start - 1} "
+                         f"(its start step - 1) to {iteration - 1} (the checkpoint's step - 1)")
+    if sample["finish_reason"] not in FINISH_REASONS:
+        raise ValueError(f"{where}: finish reason {shown(sample['finish_reason'])} is not one of "
+                         f"{', '.join(map(repr, FINISH_REASONS))}")

@@ -1,7 +1,9 @@
 """Training metrics: a progress line per step with ETA, JSONL, TensorBoard, Weights & Biases
 (optional), rollout dumps and a PNG of curves.
 
-Only the logging rank (global rank 0) writes; others get a no-op logger.
+Only the logging rank (global rank 0) writes; others get a no-op logger. The jsonl files get whole
+lines or nothing: each record is one unbuffered write, cut back if it fails (a full disk), so no
+partial line is left and nothing is left to flush again at close.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ class MetricsLogger:
         os.makedirs(log_dir, exist_ok=True)
         path = os.path.join(log_dir, METRICS_FILE)
         trim_jsonl(path, start_step)
-        self.jsonl = open(path, "a", encoding="utf-8")
+        self.jsonl = open(path, "ab", buffering=0)
         # Each run (a resume too) in its own folder: TensorBoard shows them as runs side by side.
         self.tb_dir = os.path.join(tensorboard_dir or os.path.join(log_dir, "tensorboard"), run_name(start_step))
         self.tb = SummaryWriter(self.tb_dir)
@@ -68,7 +70,7 @@ class MetricsLogger:
             return
         record = {"step": step, **{k: float(v) for k, v in metrics.items()}}
         try:
-            self._append(json.dumps(record) + "\n")
+            append_whole(self.jsonl, json.dumps(record) + "\n")
         except OSError as e:  # a full or read-only --log-dir: the loop stops every rank with it
             self.failure = (f"--log-dir {self.log_dir}: cannot write the metrics of step {step} "
                             f"({e.strerror or e}); metrics.jsonl keeps the steps before it")
@@ -81,17 +83,6 @@ class MetricsLogger:
             self.wandb.log({k: v for k, v in record.items() if k != "step"}, step=step)
         if step % self.log_interval == 0 or step == self.total_steps:
             print(self.progress_line(step, record), flush=True)
-
-    def _append(self, line: str) -> None:
-        """One whole line or none: a failed write is cut back to the file's previous end."""
-        end = self.jsonl.tell()
-        try:
-            self.jsonl.write(line)
-            self.jsonl.flush()
-        except OSError:
-            self.jsonl.seek(end)
-            self.jsonl.truncate()
-            raise
 
     def progress_line(self, step: int, record: dict) -> str:
         done = step - self.start_step
@@ -112,24 +103,47 @@ class MetricsLogger:
         """Append ``(prompt, response, reward)`` of every sequence of ``step`` to rollouts.jsonl."""
         if not self.enabled:
             return
-        with open(os.path.join(self.log_dir, ROLLOUTS_FILE), "a", encoding="utf-8") as f:
-            for prompt, response, reward in samples:
-                f.write(json.dumps({"step": step, "prompt": prompt, "response": response,
-                                    "reward": reward}, ensure_ascii=False) + "\n")
+        lines = "".join(json.dumps({"step": step, "prompt": prompt, "response": response, "reward": reward},
+                                   ensure_ascii=False) + "\n" for prompt, response, reward in samples)
+        try:
+            with open(os.path.join(self.log_dir, ROLLOUTS_FILE), "ab", buffering=0) as f:
+                append_whole(f, lines)
+        except OSError as e:  # as for the metrics: the loop stops every rank with it
+            self.failure = self.failure or (f"--log-dir {self.log_dir}: cannot write the rollouts of step {step} "
+                            f"({e.strerror or e}); rollouts.jsonl keeps the steps before it")
 
     def warn(self, message: str) -> None:
         if self.enabled:
             print(f"warning: {message}", flush=True)
 
     def close(self) -> str | None:
-        """Flush and write ``curves.png``; returns its path."""
+        """Close the files and write ``curves.png``; returns its path (None when nothing was logged,
+        or when it cannot be written: a full --log-dir, said in one warning line)."""
         if not self.enabled:
             return None
-        self.jsonl.close()
+        self.jsonl.close()  # unbuffered: nothing to flush
         self.tb.close()
         if self.wandb is not None:
             self.wandb.finish()
-        return plot_curves(os.path.join(self.log_dir, METRICS_FILE), os.path.join(self.log_dir, CURVES_FILE))
+        try:
+            return plot_curves(os.path.join(self.log_dir, METRICS_FILE), os.path.join(self.log_dir, CURVES_FILE))
+        except OSError as e:
+            self.warn(f"--log-dir {self.log_dir}: cannot write {CURVES_FILE} ({e.strerror or e})")
+            return None
+
+
+def append_whole(f, text: str) -> None:
+    """Append ``text`` to the unbuffered binary file ``f`` whole or not at all: a write that fails
+    part way (a full disk) is cut back to the file's previous end."""
+    data = text.encode("utf-8")
+    end = f.seek(0, os.SEEK_END)
+    try:
+        done = 0
+        while done < len(data):
+            done += f.write(data[done:])
+    except OSError:
+        f.truncate(end)
+        raise
 
 
 def trim_jsonl(path: str, last_step: int) -> None:

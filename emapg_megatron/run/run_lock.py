@@ -1,8 +1,10 @@
-"""One run per ``--save`` directory.
+"""One run per ``--save`` directory and per ``--log-dir``.
 
-Rank 0 holds an exclusive POSIX record lock (``fcntl.lockf``) on ``SAVE/.emapg-run.lock`` for
-the run's lifetime and writes its PID (and host) into it. A second run on the same directory fails
-in one line naming the directory and the holder. The kernel drops the lock when its holder exits,
+Rank 0 holds an exclusive POSIX record lock (``fcntl.lockf``) on ``SAVE/.emapg-run.lock`` (and
+``LOG_DIR/.emapg-run.lock``: two runs appending to one metrics.jsonl interleave their steps, and
+``--overwrite`` would delete a live run's metrics) for the run's lifetime and writes its PID (and
+host) into it. A second run on the same directory fails in one line naming the directory and the
+holder; ``--overwrite`` deletes nothing of a run that holds its lock. The kernel drops the lock when its holder exits,
 however it exits, so a lock file left by a dead run never blocks (its stale PID is just
 overwritten). A record lock belongs to the process, not to the open file: the writer processes
 Megatron forks during a save do not inherit it, so writers that outlive a killed rank cannot hold
@@ -24,8 +26,11 @@ _HELD: dict[str, int] = {}  # lock files this process holds -> their open file
 
 
 class SaveDirLock:
-    def __init__(self, directory: str):
-        self.directory = directory
+    """The lock of one of a run's output directories (``flag`` names it in messages; ``what``:
+    what two runs there would both write)."""
+
+    def __init__(self, directory: str, flag: str = "--save", what: str = "checkpoint directory"):
+        self.directory, self.flag, self.what = directory, flag, what
         self.path = os.path.join(directory, LOCK_NAME)
         self._fd: int | None = None
 
@@ -51,8 +56,8 @@ class SaveDirLock:
         return self
 
     def _in_use(self, holder: str) -> ConfigError:
-        return ConfigError(f"--save {self.directory} is in use by another run ({holder}): two "
-                           f"runs must not write the same checkpoint directory")
+        return ConfigError(f"{self.flag} {self.directory} is in use by another run ({holder}): two "
+                           f"runs must not write the same {self.what}")
 
     def release(self) -> None:
         if self._fd is not None:
@@ -74,6 +79,28 @@ def _read_holder(fd: int) -> str:
     except OSError:
         text = ""
     return text.splitlines()[0] if text else "pid unknown"
+
+
+def lock_outputs(save: str | None, log_dir: str) -> list[SaveDirLock]:
+    """Take the locks of ``--save`` (if any) and ``--log-dir`` (one lock when they are one folder)
+    on global rank 0: all or none; every rank raises the same ConfigError when one is held
+    elsewhere. Collective once the process group is up. Release them at the end of the run."""
+    locks: dict[str, SaveDirLock] = {}
+    if save:
+        locks[os.path.realpath(save)] = SaveDirLock(save)
+    locks.setdefault(os.path.realpath(log_dir), SaveDirLock(log_dir, "--log-dir", "metrics"))
+
+    def take() -> None:
+        try:
+            for lock in locks.values():
+                lock.acquire()
+        except BaseException:
+            for lock in locks.values():
+                lock.release()
+            raise
+
+    on_rank0(take)
+    return list(locks.values())
 
 
 def lock_save_dir(directory: str) -> SaveDirLock:

@@ -45,6 +45,7 @@ from typing import (
     runtime_checkable,
 )
 
+from ..errors import shown
 from .data import MissingColumnError, load_rows
 
 __all__ = [
@@ -130,15 +131,55 @@ def _has_chat_template(tokenizer: Any) -> bool:
 
 
 def as_messages(value: Any) -> Optional[list[dict]]:
-    """``value`` as chat messages (a list of ``{"role", "content"}`` with string values, as verl's
-    ``prompt`` column holds), or None when it is not one."""
-    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__") or isinstance(value, Mapping):
+    """``value`` as chat messages when it is a list (verl's ``prompt`` column: ``{"role",
+    "content"}`` objects; a content may also be given as a list of text parts, ``[{"type":
+    "text", "text": ...}]``, whose texts are joined by newlines), None when it is not a list.
+    A list that is not such messages is a ValueError naming the message and what is wrong."""
+    if isinstance(value, (str, bytes, bytearray, Mapping)) or not hasattr(value, "__iter__"):
         return None
-    messages = list(value)
-    if not messages or not all(isinstance(m, Mapping) and isinstance(m.get("role"), str)
-                               and isinstance(m.get("content"), str) for m in messages):
-        return None
-    return [{"role": m["role"], "content": m["content"]} for m in messages]
+    messages = [_message(m, i) for i, m in enumerate(value)]
+    if not any(m["content"].strip() for m in messages):
+        raise ValueError("its chat messages hold no text")
+    return messages
+
+
+def _message(message: Any, i: int) -> dict:
+    if not isinstance(message, Mapping):
+        raise ValueError(f"message {i} is {shown(message)}, not a {{role, content}} object")
+    role = message.get("role")
+    if not isinstance(role, str) or not role:
+        raise ValueError(f"message {i} has no role (got {shown(role)})")
+    return {"role": role, "content": _content_text(message.get("content"), i)}
+
+
+def _content_text(content: Any, i: int) -> str:
+    """A message's content as text: a string, or the texts of a list of text parts."""
+    if isinstance(content, str):
+        return content
+    parts = content if isinstance(content, list) and content else None
+    if parts and all(isinstance(p, Mapping) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                     for p in parts):
+        return "\n".join(p["text"] for p in parts)
+    raise ValueError(f"message {i}: its content is {shown(content)}, not text or a list of "
+                     '{"type": "text", "text": ...} parts')
+
+
+def prompt_value(value: Any, *, messages: bool = True) -> Any:
+    """A prompt column's value as a task uses it: text (a number becomes its text) or, with
+    ``messages``, chat messages (:func:`as_messages`). ValueError for anything else: binary data,
+    an object, a list that is not chat messages (never its Python ``repr`` as a prompt)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    if isinstance(value, (bytes, bytearray)):
+        raise ValueError("the prompt is binary data, not text")
+    chat = as_messages(value)
+    if chat is None:
+        raise ValueError(f"the prompt is a {type(value).__name__}, not text or chat messages")
+    if not messages:
+        raise ValueError("the prompt is chat messages: this task takes its question as text")
+    return chat
 
 
 def render_messages(messages: list[dict], tokenizer: Any = None, *, chat_template: str = "auto") -> str:

@@ -18,9 +18,15 @@ fails with :class:`BadRowError` listing them. The index is the 0-based row numbe
 ``_index`` column.
 
 Configuration errors are not bad rows: a file that cannot be read (a .json document nested
-deeper than :data:`MAX_JSON_DEPTH` levels included) raises :class:`DataFileError`,
+deeper than :data:`MAX_JSON_DEPTH` levels included; anything but a regular file, links resolved:
+a named pipe would block the read and a device such as ``/dev/zero`` never ends) raises
+:class:`DataFileError`,
 and a required column that no row has (for parquet: that the schema lacks, so an empty parquet is
 checked too) raises :class:`MissingColumnError` naming the columns found and the ones expected.
+
+With ``max_row_bytes``, a jsonl line longer than that is neither parsed nor kept in memory (it is
+read in bounded blocks to its end): it is reported in :attr:`LoadReport.too_large` (a caller whose
+rows must fit a bound, such as the trainer's prompts, says what to do with it).
 
 A column whose values mix strings with numbers or bools across rows (e.g. a ``data_source`` of
 ``"gsm8k"`` in one file and ``3`` in another) is loaded as strings; other mixes (a list in one
@@ -32,6 +38,7 @@ import json
 import logging
 import os
 import re
+import stat
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
@@ -58,6 +65,7 @@ _NESTING_STEP = np.zeros(256, np.int8)  # byte -> change of nesting depth
 _NESTING_STEP[[ord("["), ord("{")]] = 1
 _NESTING_STEP[[ord("]"), ord("}")]] = -1
 _DEPTH_BLOCK = 1 << 20
+_SKIP_BLOCK = 1 << 20  # an over-long line is read to its end in blocks of this many bytes
 
 
 class BadRowError(ValueError):
@@ -113,6 +121,8 @@ class LoadReport:
     total: int = 0
     loaded: int = 0
     bad: list[tuple[int, str]] = field(default_factory=list)
+    too_large: list[tuple[int, int]] = field(default_factory=list)
+    """``(row index, bytes)`` of the jsonl lines longer than ``max_row_bytes`` (not loaded)."""
 
     @property
     def skipped_indices(self) -> list[int]:
@@ -158,6 +168,31 @@ def _lone_surrogate(value: Any) -> bool:
     return False
 
 
+class RowTooLarge(ValueError):
+    """A jsonl line longer than the reader's bound: ``nbytes`` long, never parsed."""
+
+    def __init__(self, nbytes: int):
+        super().__init__(f"{nbytes} bytes")
+        self.nbytes = nbytes
+
+
+def open_regular(path: str):
+    """``path`` opened for binary reading if it is a regular file (links resolved), else
+    :class:`DataFileError` naming what it is. Opened non-blocking and checked before any read:
+    a named pipe would block the open, a device such as ``/dev/zero`` would never end."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise DataFileError(path, e.strerror or str(e)) from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = ("a named pipe (FIFO)" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode)
+                else "a device or socket")
+        raise DataFileError(path, f"it is {kind}, not a regular file")
+    return os.fdopen(fd, "rb")
+
+
 def read_records(path: str) -> list[Union[dict, Exception]]:
     """Raw records of a file, one per row; an unparsable jsonl line is returned as an Exception.
 
@@ -166,18 +201,19 @@ def read_records(path: str) -> list[Union[dict, Exception]]:
     return _read(path)[0]
 
 
-def _read(path: str) -> tuple[list[Union[dict, Exception]], Optional[Any]]:
+def _read(path: str, max_row_bytes: Optional[int] = None) -> tuple[list[Union[dict, Exception]], Optional[Any]]:
     """(records, pyarrow schema for parquet files else None)."""
     lower = path.lower()
     if not lower.endswith((".parquet", ".jsonl", ".ndjson", ".json")):
         raise DataFileError(path, "unsupported file type: use .parquet, .jsonl or .json")
     try:
-        if lower.endswith(".parquet"):
-            table = pq.read_table(path)
-            return table.to_pylist(), table.schema
-        if lower.endswith(".json"):
-            return _read_json(path), None
-        return _read_jsonl(path), None
+        with open_regular(path) as f:
+            if lower.endswith(".parquet"):
+                table = pq.read_table(f)
+                return table.to_pylist(), table.schema
+            if lower.endswith(".json"):
+                return _read_json(path, f.read().decode("utf-8")), None
+            return _read_jsonl(f, max_row_bytes), None
     except DataFileError:
         raise
     except (OSError, ValueError) as e:  # ArrowInvalid, JSONDecodeError, UnicodeDecodeError
@@ -185,32 +221,51 @@ def _read(path: str) -> tuple[list[Union[dict, Exception]], Optional[Any]]:
         raise DataFileError(path, reason) from e
 
 
-def _read_jsonl(path: str) -> list[Union[dict, Exception]]:
-    out: list[Union[dict, Exception]] = []
-    with open(path, "r", encoding="utf-8") as f:
-        for line in f:
-            line = line.strip()
+def _lines(f, limit: Optional[int]):
+    """The lines of the binary file ``f`` (bytes), a line longer than ``limit`` bytes as a
+    :class:`RowTooLarge`, read to its end in bounded blocks and never held whole."""
+    while True:
+        line = f.readline() if limit is None else f.readline(limit + 1)
+        if not line:
+            return
+        if limit is None or len(line) <= limit or line.endswith(b"\n"):
+            yield line
+            continue
+        size = len(line)
+        while not line.endswith(b"\n"):
+            line = f.readline(_SKIP_BLOCK)
             if not line:
-                out.append(ValueError("blank line"))
-                continue
-            if json_too_deep(line):
-                out.append(ValueError(f"JSON nested deeper than {MAX_JSON_DEPTH} levels"))
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                out.append(ValueError(f"invalid JSON: {e.msg}"))
-                continue
-            out.append(rec if isinstance(rec, dict) else ValueError("not a JSON object"))
+                break
+            size += len(line)
+        yield RowTooLarge(size)
+
+
+def _read_jsonl(f, max_row_bytes: Optional[int] = None) -> list[Union[dict, Exception]]:
+    out: list[Union[dict, Exception]] = []
+    for raw in _lines(f, max_row_bytes):
+        if isinstance(raw, RowTooLarge):
+            out.append(raw)
+            continue
+        line = raw.decode("utf-8").strip()
+        if not line:
+            out.append(ValueError("blank line"))
+            continue
+        if json_too_deep(line):
+            out.append(ValueError(f"JSON nested deeper than {MAX_JSON_DEPTH} levels"))
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            out.append(ValueError(f"invalid JSON: {e.msg}"))
+            continue
+        out.append(rec if isinstance(rec, dict) else ValueError("not a JSON object"))
     # a trailing newline does not make a row
     while out and isinstance(out[-1], ValueError) and str(out[-1]) == "blank line":
         out.pop()
     return out
 
 
-def _read_json(path: str) -> list[Union[dict, Exception]]:
-    with open(path, "r", encoding="utf-8") as f:
-        text = f.read()
+def _read_json(path: str, text: str) -> list[Union[dict, Exception]]:
     if not text.strip():
         return []
     outer = 1 if text.lstrip().startswith("[") else 2  # rows sit in [...] or {"data": [...]}
@@ -283,6 +338,7 @@ def load_rows(
     return_report: bool = False,
     map_hint: Optional[str] = None,
     warn: bool = True,
+    max_row_bytes: Optional[int] = None,
 ):
     """Load rows with canonical field names.
 
@@ -301,10 +357,13 @@ def load_rows(
         :class:`MissingColumnError` message. Without it the message only suggests renaming.
       warn: log skipped bad rows (``on_bad_row="skip"``); callers that report them from the
         returned :class:`LoadReport` pass False.
+      max_row_bytes: a jsonl line longer than this is not parsed (nor held in memory): it goes to
+        :attr:`LoadReport.too_large`, not into the rows.
 
     Raises:
       FileNotFoundError: a file does not exist.
-      DataFileError: a file cannot be read (type, corrupt parquet, invalid .json, not UTF-8).
+      DataFileError: a file cannot be read (type, not a regular file, corrupt parquet, invalid
+        .json, not UTF-8).
       MissingColumnError: a required column is in no row (for parquet: not in the schema).
       BadRowError: bad rows with ``on_bad_row="error"``.
     """
@@ -323,7 +382,7 @@ def load_rows(
             raise FileNotFoundError(f"data file not found: {p}")
         if os.path.isdir(p):
             raise DataFileError(p, "is a directory, not a .parquet, .jsonl or .json file")
-        records, schema = _read(p)
+        records, schema = _read(p, max_row_bytes)
         report = LoadReport(path=p, total=len(records))
         # A required column absent from every row is a configuration error, not bad data.
         good_records = [r for r in records if isinstance(r, dict)]
@@ -340,6 +399,9 @@ def load_rows(
             expected = list(dict.fromkeys(mapping[n] for n in required))
             raise MissingColumnError(p, missing, found, expected, hint=map_hint)
         for idx, rec in enumerate(records):
+            if isinstance(rec, RowTooLarge):
+                report.too_large.append((idx, rec.nbytes))
+                continue
             if isinstance(rec, Exception):
                 report.bad.append((idx, str(rec)))
                 continue

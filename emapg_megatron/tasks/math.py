@@ -26,7 +26,7 @@ import os
 from dataclasses import replace
 from typing import Any, Mapping, Optional, Sequence
 
-from .base import Task, _iter_rows, as_messages, render_messages, render_prompt
+from .base import Task, _iter_rows, as_messages, prompt_value, render_messages, render_prompt
 from .config import MathConfig
 from .math_answers import (
     GroundTruth,
@@ -225,7 +225,7 @@ class MathTask(Task):
             row["ground_truth"] = str(gt)
         elif not isinstance(gt, str):
             raise ValueError(f"ground_truth has type {type(gt).__name__}")
-        row["question"] = as_messages(row["question"]) or str(row["question"])
+        row["question"] = prompt_value(row["question"])
         if not row.get("data_source"):
             row["data_source"] = os.path.splitext(row.get("_file") or "math")[0]
         return row

@@ -46,6 +46,7 @@ from .base import (
     StepResult,
     Task,
     encode_text,
+    prompt_value,
     render_prompt,
 )
 from .config import SEARCH_R1_INSTRUCTION, SearchConfig
@@ -375,7 +376,7 @@ class SearchTask(Task):
         if not ga:
             raise ValueError("empty 'golden_answers'")
         row["golden_answers"] = ga
-        row["question"] = str(row["question"])
+        row["question"] = prompt_value(row["question"], messages=False)
         if not row.get("data_source"):
             row["data_source"] = os.path.splitext(row.get("_file") or "search")[0]
         return row

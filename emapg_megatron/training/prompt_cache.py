@@ -8,16 +8,20 @@ memory-map that file (its pages are shared) and tokenise nothing.
 Where the file goes:
 
 * under ``emapg-train``, the launcher validates the run first, so it is the one that loads: it
-  names a private directory in :data:`CACHE_DIR_ENV` for the ranks and deletes it when the run ends;
+  names a private directory in :data:`CACHE_DIR_ENV` for the ranks, which empty and remove it once
+  their process group exists (:func:`release`: every rank has read its files by then), so that it
+  does not outlive a launcher killed later; the launcher removes what is left when the run ends;
 * under plain ``torchrun`` (``TORCHELASTIC_RUN_ID`` set), a directory of this user's in the temp
-  folder, the run id part of the key; the process that wrote the file deletes it once the process
-  group exists (every rank has read it by then: :func:`release`);
+  folder, the run id part of the key; the ranks delete the files they read or wrote once the
+  process group exists (:func:`release`);
 * otherwise (one process) nothing is cached.
 
 The key hashes the run's flags, the data file's identity (path, size, mtime) and the tokenizer
 folder's, so another run, a changed file or another tokenizer never reads a stale table. An
 unreadable or foreign file is ignored and rebuilt. Only rows loaded from a file are cached
-(built-in rows cost nothing to make).
+(built-in rows cost nothing to make: their callers do not come here, and leave nothing in the temp
+folder). A lock that cannot be taken (no free inodes, a link planted at its path, a folder that
+is gone) means no sharing: the process loads for itself.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ CACHE_DIR_ENV = "EMAPG_PROMPT_CACHE_DIR"
 _LENGTHS = "__emapg_prompt_tokens"  # the prompt-length column added to the rows
 _META = b"emapg_prompts"
 
-_written: list[str] = []  # files this process wrote under plain torchrun, for release()
+_used: list[str] = []  # the cache files this process read or wrote, for release()
 
 
 def cache_dir() -> Optional[str]:
@@ -73,26 +77,34 @@ def once_per_node(cache_key: str, load: Callable[[], TrainingPrompts]) -> Traini
     if directory is None:
         return load()
     path = os.path.join(directory, f"{cache_key}.arrow")
-    with _locked(path + ".lock"):  # the others wait here while the first one loads
+    try:
+        lock = _locked(path + ".lock")
+    except OSError:  # no free inodes, a planted link, the folder gone: no sharing, no traceback
+        return load()
+    with lock:  # the others wait here while the first one loads
+        _used.append(path)
         found = _read(path, cache_key)
         if found is not None:
             return found
         prompts = load()  # a ConfigError leaves no file: every process reports it alike
         if isinstance(prompts.rows, TableRows):
             _write(prompts, path, cache_key)
-            if CACHE_DIR_ENV not in os.environ:
-                _written.append(path)
         return prompts
 
 
 def release() -> None:
-    """Delete the files this process wrote under plain torchrun: call it once the process group
-    exists, when every rank of the node has read them."""
-    while _written:
-        path = _written.pop()
+    """Delete the cache files this process read or wrote (and their locks), then emapg-train's
+    directory if that leaves it empty: call it once the process group exists, when every rank of
+    the node has read them (a memory-mapped file stays readable once deleted)."""
+    while _used:
+        path = _used.pop()
         for name in (path, path + ".lock"):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(name)
+    given = os.environ.get(CACHE_DIR_ENV)
+    if given:
+        with contextlib.suppress(OSError):  # not empty (not only this run's), or gone already
+            os.rmdir(given)
 
 
 def _identity(path: Optional[str]) -> Optional[list]:
@@ -112,9 +124,15 @@ def _folder_identity(path: Optional[str]) -> Optional[list]:
         return sorted([e.name, *(_identity(e.path) or [])] for e in entries if e.is_file())
 
 
-@contextlib.contextmanager
 def _locked(path: str):
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    """The node's lock at ``path`` (a link there is not followed), as a context manager; OSError
+    when it cannot be opened."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    return _holding(fd)
+
+
+@contextlib.contextmanager
+def _holding(fd: int):
     try:
         fcntl.lockf(fd, fcntl.LOCK_EX)  # released by the kernel if the holder dies
         yield

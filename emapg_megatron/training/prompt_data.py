@@ -4,8 +4,14 @@
 task's rows (the data file, or the task's built-in rows), renders and tokenizes every prompt
 exactly as the trainer's rollout does (``encode_text(tokenizer, task.prompt(row, tokenizer))``)
 and refuses, with one :class:`~emapg_megatron.errors.ConfigError` line, everything that would
-otherwise stop the run later with a traceback: a missing, unreadable or empty file, a file whose
-rows are all malformed, missing columns, and prompts too long for ``--seq-length``.
+otherwise stop the run later with a traceback: a missing, unreadable or empty file (or not a
+regular file), a file whose rows are all malformed, missing columns, a prompt that encodes to no
+tokens, and prompts too long for ``--seq-length``.
+
+A prompt that fits ``L`` tokens cannot be longer than ``L`` times the most characters one token
+stands for (:func:`max_chars_per_token`): a longer one is too long without being tokenised (a
+tokenizer fed a gigabyte aborts the process), and a jsonl row longer than such a prompt can take
+in the file (:func:`max_row_bytes`) is not even parsed.
 
 :class:`PromptSchedule` then orders the rows: step i of any run (fresh or resumed) sees the same.
 """
@@ -26,6 +32,13 @@ from emapg_megatron.tasks.data import DataFileError, MissingColumnError, TableRo
 DATA_FLAG = "--data-path"
 LONG_PROMPTS_FLAG = "--long-prompts"
 _CHUNK = 1024  # rows rendered and tokenized at a time
+#: A token's vocabulary entry, in UTF-8 bytes, bounds the characters it decodes to; times this for
+#: normalisers that fold several characters into one (NFKC: a 4-byte letter into a 1-byte one).
+_NORMALIZER_FOLD = 4
+#: A character of a prompt takes at most this many bytes in a JSON file (an escape: ``\u00e9``).
+_JSON_BYTES_PER_CHAR = 6
+#: Room in a row for its other columns (the answer, metadata).
+_OTHER_COLUMNS_BYTES = 1 << 20
 
 
 @dataclass
@@ -69,13 +82,40 @@ def _format_bad(bad: Sequence[tuple[int, str]], limit: int = 3) -> str:
     return "; ".join(parts)
 
 
-def _load_rows(task, data_path: Optional[str], fields, log) -> tuple[list, str, int]:
-    """(rows, how the messages name their source, malformed rows skipped)."""
+def max_chars_per_token(tokenizer) -> Optional[int]:
+    """The most characters of text one token of ``tokenizer`` stands for (None: unknown, when it
+    lists no vocabulary): its longest vocabulary entry in UTF-8 bytes (a byte-level or
+    SentencePiece spelling takes at least as many bytes as the text it decodes to) times
+    :data:`_NORMALIZER_FOLD`."""
+    vocab = getattr(tokenizer, "get_vocab", None)
+    entries = vocab() if callable(vocab) else None
+    if not entries:
+        return None
+    return _NORMALIZER_FOLD * max(len(str(t).encode("utf-8", "surrogatepass")) for t in entries)
+
+
+def max_row_bytes(max_prompt_chars: Optional[int]) -> Optional[int]:
+    """The longest jsonl row that can hold a prompt of at most ``max_prompt_chars`` characters
+    (escaped) and the row's other columns."""
+    return None if max_prompt_chars is None else _JSON_BYTES_PER_CHAR * max_prompt_chars + _OTHER_COLUMNS_BYTES
+
+
+@dataclass
+class _Loaded:
+    rows: Any
+    source: str
+    skipped_bad: int = 0
+    too_large: list = field(default_factory=list)  # (row index, bytes): rows too long to read
+
+
+def _load_rows(task, data_path: Optional[str], fields, log, row_bytes: Optional[int]) -> _Loaded:
+    """The usable rows, how the messages name their source, malformed rows skipped and the rows
+    longer than ``row_bytes`` (not read)."""
     builtin = task.builtin_rows()
     if builtin is not None:
         if len(builtin) == 0:
             raise ConfigError(f"--task {task.name} has no built-in rows")
-        return list(builtin), f"the built-in {task.name} data", 0
+        return _Loaded(list(builtin), f"the built-in {task.name} data")
     if data_path is None:
         raise ConfigError(f"--task {task.name} needs {DATA_FLAG}")
     path = os.fspath(data_path)
@@ -83,7 +123,7 @@ def _load_rows(task, data_path: Optional[str], fields, log) -> tuple[list, str, 
         raise ConfigError(f"{DATA_FLAG} {path}: no such file")
     try:
         ds, reports = task.load(path, fields=fields, on_bad_row="skip", return_report=True,
-                                warn=False)
+                                warn=False, max_row_bytes=row_bytes)
     except DataFileError as e:
         raise ConfigError(f"{DATA_FLAG} {e.path}: {e.reason}") from None
     except MissingColumnError as e:
@@ -92,20 +132,23 @@ def _load_rows(task, data_path: Optional[str], fields, log) -> tuple[list, str, 
         raise ConfigError(f"{DATA_FLAG} {path}: {e}") from None
     total = sum(r.total for r in reports)
     bad = [b for r in reports for b in r.bad]
+    too_large = [t for r in reports for t in r.too_large]
     if total == 0:
         raise ConfigError(f"{DATA_FLAG} {path} has no rows")
-    if len(ds) == 0:
+    if len(ds) == 0 and not too_large:
         mapping = {**task.default_fields, **(fields or {})}
         required = " and ".join(repr(mapping.get(n, n)) for n in task.required_fields)
         raise ConfigError(f"{DATA_FLAG} {path}: none of its {total} rows is usable (each needs "
                           f"non-empty {required}): {_format_bad(bad)}")
     if bad:
         log(f"{DATA_FLAG} {path}: skipped {len(bad)} of {total} malformed rows ({_format_bad(bad)})")
-    return TableRows(ds.data.table), path, len(bad)
+    return _Loaded(TableRows(ds.data.table), path, len(bad), too_large)
 
 
-def _prompt_lengths(task, rows: list, tokenizer, source: str) -> list[int]:
-    lengths: list[int] = []
+def _prompt_lengths(task, rows: list, tokenizer, source: str, max_chars: Optional[int]) -> list[Optional[int]]:
+    """Tokens of each row's prompt; None for a prompt longer than ``max_chars`` characters (too
+    long, and not tokenised). A prompt that encodes to no tokens is a ConfigError naming its row."""
+    lengths: list[Optional[int]] = []
     for start in range(0, len(rows), _CHUNK):
         chunk = rows[start:start + _CHUNK]
         texts = []
@@ -115,18 +158,28 @@ def _prompt_lengths(task, rows: list, tokenizer, source: str) -> list[int]:
             except (ValueError, KeyError, TypeError) as e:
                 raise ConfigError(f"cannot build the prompt of row {_row_index(row, k)} of "
                                   f"{source}: {e}") from None
-        try:
-            ids = encode_many(tokenizer, texts)
-        except (ValueError, KeyError, TypeError):
-            for k, (row, text) in enumerate(zip(chunk, texts), start):  # find the row
-                try:
-                    encode_text(tokenizer, text)
-                except (ValueError, KeyError, TypeError) as e:
-                    raise ConfigError(f"cannot tokenize the prompt of row {_row_index(row, k)} of "
-                                      f"{source}: {e}") from None
-            raise
-        lengths.extend(len(x) for x in ids)
+        fits = [max_chars is None or len(t) <= max_chars for t in texts]
+        ids = iter(_encode(tokenizer, [t for t, ok in zip(texts, fits) if ok], chunk, start, source))
+        lengths.extend(len(next(ids)) if ok else None for ok in fits)
+    empty = next((k for k, n in enumerate(lengths) if n == 0), None)
+    if empty is not None:
+        raise ConfigError(f"the prompt of row {_row_index(rows[empty], empty)} of {source} encodes to no "
+                          "tokens (an empty prompt, or a tokenizer without its vocabulary): the sampler "
+                          "needs at least one")
     return lengths
+
+
+def _encode(tokenizer, texts: list[str], chunk: list, start: int, source: str) -> list[list[int]]:
+    try:
+        return encode_many(tokenizer, texts)
+    except (ValueError, KeyError, TypeError):
+        for k, (row, text) in enumerate(zip(chunk, texts), start):  # find the row
+            try:
+                encode_text(tokenizer, text)
+            except (ValueError, KeyError, TypeError) as e:
+                raise ConfigError(f"cannot tokenize the prompt of row {_row_index(row, k)} of "
+                                  f"{source}: {e}") from None
+        raise
 
 
 def response_budget(task, max_new_tokens: int) -> tuple[int, str]:
@@ -164,29 +217,42 @@ def load_training_prompts(task, data_path: Optional[str], tokenizer, *, seq_leng
     if limit < 1:
         raise ConfigError(f"{budget_flag} {budget} leaves no room for a prompt in --seq-length "
                           f"{seq_length}")
-    rows, source, skipped = _load_rows(task, data_path, fields, log)
-    lengths = _prompt_lengths(task, rows, tokenizer, source)
-    over = [k for k, n in enumerate(lengths) if n > limit]
-    result = TrainingPrompts(rows, lengths, limit, len(rows), skipped_bad=skipped)
-    if not over:
+    per_token = max_chars_per_token(tokenizer)
+    max_chars = None if per_token is None else limit * per_token
+    loaded = _load_rows(task, data_path, fields, log, max_row_bytes(max_chars))
+    rows, source = loaded.rows, loaded.source
+    from_file = task.builtin_rows() is None
+    lengths = _prompt_lengths(task, rows, tokenizer, source, max_chars)
+    over = [k for k, n in enumerate(lengths) if n is None or n > limit]
+    total = len(rows) + len(loaded.too_large)
+    result = TrainingPrompts(rows, lengths, limit, total, skipped_bad=loaded.skipped_bad)
+    if not over and not loaded.too_large:
         return result
+    # each over-long prompt's row index -> its size, as found
+    sizes = {_row_index(rows[k], k): (f"{lengths[k]} tokens" if lengths[k] is not None
+                                      else f"more than {max_chars} characters") for k in over}
+    sizes.update((i, f"a row of {n} bytes") for i, n in loaded.too_large)
     what = (f"longer than --seq-length {seq_length} - {budget_flag} {budget} = {limit} tokens")
-    fits = _what_fits(max(lengths[j] for j in over), seq_length, budget, budget_flag)
-    if len(over) == len(rows):
-        k = min(over, key=lambda j: lengths[j])
-        raise ConfigError(f"all {len(rows)} prompts in {source} are {what} (shortest: 0-based row "
-                          f"{_row_index(rows[k], k)}, {lengths[k]} tokens); {fits}")
-    k = over[0]
-    first = f"first: 0-based row {_row_index(rows[k], k)}, {lengths[k]} tokens"
+    known = [lengths[k] for k in over if lengths[k] is not None]
+    if len(known) == len(sizes):  # every size known: the settings that fit them all
+        fits = _what_fits(max(known), seq_length, budget, budget_flag)
+    else:  # a row too large to encode: its length in tokens is not known
+        fits = f"{'shorten them, raise' if from_file else 'raise'} --seq-length or lower {budget_flag}"
+    if len(sizes) == total:
+        k = min((j for j in over if lengths[j] is not None), key=lambda j: lengths[j]) if known else None
+        i = _row_index(rows[k], k) if known else min(sizes)
+        raise ConfigError(f"all {total} prompts in {source} are {what} (shortest: 0-based row "
+                          f"{i}, {sizes[i]}); {fits}")
+    first = f"first: 0-based row {min(sizes)}, {sizes[min(sizes)]}"
     if long_prompts == "error":
-        raise ConfigError(f"{len(over)} of {len(rows)} prompts in {source} are {what} ({first}); "
+        raise ConfigError(f"{len(sizes)} of {total} prompts in {source} are {what} ({first}); "
                           f"{fits}, or pass {LONG_PROMPTS_FLAG} drop to drop them")
     drop = set(over)
     kept = [j for j in range(len(rows)) if j not in drop]
-    result.dropped = [_row_index(rows[j], j) for j in over]
+    result.dropped = sorted(sizes)
     result.rows = rows.select(kept) if isinstance(rows, TableRows) else [rows[j] for j in kept]
     result.prompt_lengths = [lengths[j] for j in kept]
-    log(f"{LONG_PROMPTS_FLAG} drop: dropped {len(over)} of {len(rows)} prompts in {source} "
+    log(f"{LONG_PROMPTS_FLAG} drop: dropped {len(sizes)} of {total} prompts in {source} "
         f"{what} ({first}); training on {len(result.rows)}")
     return result
 

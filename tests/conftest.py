@@ -37,9 +37,42 @@ _check_unique_module_names()
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")
     config.addinivalue_line("markers", "slow: multi-process or long-running test")
+    config.addinivalue_line("markers", "launch: starts the trainer or emapg-train as real processes (torchrun, "
+                                       "fresh interpreters): signals, exit codes, the launcher, a smoke run")
+    config.addinivalue_line("markers", "mcore: the test module reaches megatron-core through its imports "
+                                       "(set by tests/mcore_marker.py, not by hand); tests/run.sh runs only "
+                                       "these on the second megatron-core release")
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m selects on it
 def pytest_collection_modifyitems(config, items):
+    from mcore_marker import reaches_megatron
+
+    verdicts = {}
+    for item in items:
+        path = str(item.path)
+        if path not in verdicts:
+            verdicts[path] = reaches_megatron(path)
+        if verdicts[path]:
+            item.add_marker(pytest.mark.mcore)
+    _skip_gpu_tests(items)
+
+
+def pytest_collection_finish(session):
+    """Remember how many tests this run selected (after -m/-k), said in the summary."""
+    items = session.items
+    session.config._emapg_counts = (len(items), sum(1 for i in items if i.get_closest_marker("mcore")),
+                                    sum(1 for i in items if i.get_closest_marker("launch")))
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    counts = getattr(config, "_emapg_counts", None)
+    if counts:
+        terminalreporter.write_line(f"tests selected: {counts[0]} ({counts[1]} marked mcore, "
+                                    f"{counts[2]} marked launch)")
+
+
+def _skip_gpu_tests(items):
     import torch
 
     if torch.cuda.is_available():

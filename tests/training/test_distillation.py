@@ -197,9 +197,10 @@ def test_a_checkpoint_teacher_is_read_from_its_metadata(tiny, tmp_path):
 
 @pytest.mark.slow
 def test_a_trainer_checkpoint_teaches_and_a_distilled_run_resumes_only_with_its_teacher(tmp_path):
-    """emapg-train end to end: a run's --save folder is a teacher; the distilled run resumes with
-    it; resumed without it, the checkpoint (no EMA) is refused in one line, exit 2."""
-    from test_launch import launch
+    """The trainer end to end, as emapg-train runs it on 2 ranks once its checks passed: a run's
+    --save folder is a teacher; the distilled run resumes with it; resumed without it, the
+    checkpoint (no EMA) is refused in one line, exit 2."""
+    from trainer_launch import emapg_train as launch
 
     teacher, student = tmp_path / "teacher", tmp_path / "student"
     run = launch("--train-iters", "2", "--save", str(teacher), "--log-dir", str(tmp_path / "t-log"))

@@ -1,5 +1,7 @@
-"""The trainer launched by torchrun: layouts agree with one rank, resume is bit-exact,
-SIGTERM checkpoints, NaN steps are skipped and counted."""
+"""The trainer launched as torchrun does (ranks forked with torchrun's environment, see
+trainer_launch.py): layouts agree with one rank, resume is bit-exact, NaN steps are skipped and
+counted; under a real torchrun (marked ``launch``): SIGTERM checkpoints, a dead peer ends the run,
+and a smoke run at DP=2."""
 
 import signal
 import time
@@ -121,6 +123,7 @@ def test_exploding_weights_stop_the_run_before_the_ema_and_any_checkpoint(tmp_pa
     assert not (tmp_path / "log" / "metrics.jsonl").exists() or not metrics(tmp_path / "log")
 
 
+@pytest.mark.launch
 def test_sigterm_saves_a_checkpoint_and_exits_cleanly(init_ckpt, tmp_path):
     ckpt = tmp_path / "ckpt"
     proc = torchrun(2, ["--train-iters", "200", "--tensor-model-parallel-size", "2",
@@ -141,6 +144,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(init_ckpt, tmp_path):
     assert 2 <= step < 200
 
 
+@pytest.mark.launch
 def test_a_dead_peer_ends_the_run_with_one_line(init_ckpt, tmp_path):
     proc = torchrun(2, ["--train-iters", "200", "--tensor-model-parallel-size", "2",
                         "--pretrained-checkpoint", init_ckpt], tmp_path / "log", wait=False)
@@ -157,12 +161,14 @@ def test_a_dead_peer_ends_the_run_with_one_line(init_ckpt, tmp_path):
     assert "error: a collective failed" in out or "error: stopped by signal" in out, out
 
 
+@pytest.mark.launch
 def test_rollout_dumps_hold_every_sequence_of_every_dp_rank(tmp_path):
     """--rollout-dump-interval at DP=2: each dumped step has all B x N sequences, their rewards
-    averaging to the step's logged reward_mean; steps off the interval are not dumped."""
+    averaging to the step's logged reward_mean; steps off the interval are not dumped. Also the
+    smoke run of a real ``torchrun -m emapg_megatron.train`` to the end."""
     import json
 
-    r = torchrun(2, ["--train-iters", "3", "--rollout-dump-interval", "2"], tmp_path)
+    r = torchrun(2, ["--train-iters", "3", "--rollout-dump-interval", "2"], tmp_path, real=True)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     dumped = [json.loads(line) for line in (tmp_path / "rollouts.jsonl").read_text().splitlines()]
     assert {d["step"] for d in dumped} == {2} and len(dumped) == 4 * 4

@@ -104,6 +104,24 @@ def _check_alive(procs, collected, deadline: float, timeout: float) -> None:
         raise TimeoutError(f"distributed run timed out after {timeout}s; ranks done: {sorted(collected)}")
 
 
+def _failure(procs, collected, failed: int, payload: str, grace: float = 5.0) -> RankError:
+    """The error of a run in which rank ``failed`` reported ``payload``. A peer that died without
+    reporting is named first: its death is likely what made this rank fail (a collective with it,
+    or the store it hosted, broke), and its exit code may reach us a moment after this report. So
+    wait up to ``grace`` seconds for every other rank to report or exit."""
+    deadline = time.monotonic() + grace
+    while True:
+        others = [(r, p) for r, p in enumerate(procs) if r != failed and r not in collected]
+        dead = [(r, p.exitcode) for r, p in others if p.exitcode not in (None, 0)]
+        if dead:
+            rank, code = dead[0]
+            return RankError(f"rank {rank} died with exit code {code} before reporting (rank {failed} "
+                             f"failed too:\n{payload})")
+        if all(p.exitcode is not None for _, p in others) or time.monotonic() > deadline:
+            return RankError(f"rank {failed} failed:\n{payload}")
+        time.sleep(0.05)
+
+
 def _context(device: str):
     """A forkserver with :data:`PRELOAD` imported on CPU; fresh interpreters on a GPU."""
     if device != "cpu":
@@ -141,7 +159,7 @@ def run_distributed(fn, world_size: int = 2, *, tp: int = 1, pp: int = 1, args: 
                 _check_alive(procs, collected, deadline, timeout)
                 continue
             if not ok:
-                raise RankError(f"rank {rank} failed:\n{payload}")
+                raise _failure(procs, collected, rank, payload)
             collected[rank] = torch.load(io.BytesIO(payload), weights_only=True)
     finally:
         failed = len(collected) < world_size  # the other ranks may wait in a collective for ever

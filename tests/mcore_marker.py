@@ -58,13 +58,19 @@ def module_file(name: str) -> str | None:
     return None
 
 
-def _package_of(path: str) -> str | None:
-    """The dotted package a file of the repository is in (for relative imports), else None."""
+def _module_name(path: str) -> str | None:
+    """The dotted name of a module of the repository (``__name__`` in it), else None."""
     rel = os.path.relpath(path, ROOT)
     if rel.startswith(".."):
         return None
     parts = rel[:-3].split(os.sep)
-    return ".".join(parts if parts[-1] == "__init__" else parts[:-1]) or None
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts) or None
+
+
+def _package_of(path: str) -> str | None:
+    """The dotted package a file of the repository is in (for relative imports), else None."""
+    rel = os.path.relpath(path, ROOT)
+    return None if rel.startswith("..") else ".".join(rel.split(os.sep)[:-1]) or None
 
 
 def _with_parents(name: str) -> list[str]:
@@ -85,8 +91,9 @@ def _submodules(package: str) -> list[str]:
     return out
 
 
-def _dynamic_target(node: ast.Call, package: str | None) -> list[str]:
-    """The modules an ``import_module``/``__import__``/``importorskip`` call may load."""
+def _dynamic_target(node: ast.Call, name: str | None) -> list[str]:
+    """The modules an ``import_module``/``__import__``/``importorskip`` call in module ``name``
+    may load."""
     func = node.func
     called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
     if called not in ("import_module", "__import__", "importorskip") or not node.args:
@@ -94,13 +101,13 @@ def _dynamic_target(node: ast.Call, package: str | None) -> list[str]:
     arg = node.args[0]
     if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
         return [arg.value]
-    if isinstance(arg, ast.JoinedStr) and package:
+    if isinstance(arg, ast.JoinedStr) and name:
         head = arg.values[0] if arg.values else None
         if isinstance(head, ast.FormattedValue) and getattr(head.value, "id", None) == "__name__":
             rest = arg.values[1:]
             if len(rest) == 1 and isinstance(rest[0], ast.Constant):  # f"{__name__}.distributed"
-                return [package + rest[0].value]
-            return _submodules(package)  # f"{__name__}.{_LAZY[name]}": any of them
+                return [name + rest[0].value]
+            return _submodules(name)  # f"{__name__}.{_LAZY[name]}": any of them
     return []
 
 
@@ -139,7 +146,7 @@ def dependencies(path: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
             names.append(base)
             names += [f"{base}.{alias.name}" for alias in node.names if alias.name != "*"]
         elif isinstance(node, ast.Call):
-            names += _dynamic_target(node, package)
+            names += _dynamic_target(node, _module_name(path))
         elif isinstance(node, ast.Constant) and isinstance(node.value, str) and in_tests:
             if _MODULE_NAME.match(node.value):
                 names.append(node.value)

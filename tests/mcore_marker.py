@@ -6,7 +6,7 @@ anywhere in a file (function-local ones included), relative imports, ``importlib
 and ``__import__`` of a literal or of ``f"{__name__}.{...}"`` (a package's lazy ``__getattr__``:
 every module of that package, or the one named), ``pytest.importorskip``; through the test
 helpers (imported by bare name from any folder of ``tests/``, or as ``tests.x``), the package's
-modules, and the programs a test starts: a string in a test file naming a module of the package
+modules, and the programs a test starts: a string outside the package naming a module of the package
 or of ``megatron`` (``python -m emapg_megatron.train``) and a script under ``examples/`` or
 ``tools/`` (``.sh``: the modules it runs with ``-m``, its ``import`` lines (``python -c``, heredocs),
 the console scripts it calls and the files it sources; ``.py``: its imports). Strings in the
@@ -130,7 +130,7 @@ def dependencies(path: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
     with open(path, encoding="utf-8") as f:
         tree = ast.parse(f.read(), path)
     package = _package_of(path)
-    in_tests = path.startswith(TESTS + os.sep)  # what a test starts; the package's strings are data
+    in_package = path.startswith(os.path.join(ROOT, PACKAGE) + os.sep)  # its strings are data
     names, scripts = [], []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -147,7 +147,7 @@ def dependencies(path: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
             names += [f"{base}.{alias.name}" for alias in node.names if alias.name != "*"]
         elif isinstance(node, ast.Call):
             names += _dynamic_target(node, _module_name(path))
-        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and in_tests:
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and not in_package:
             if _MODULE_NAME.match(node.value):
                 names.append(node.value)
             elif (script := _script_file(node.value, path)) is not None:

@@ -48,10 +48,17 @@ def test_the_import_graph_is_followed_statically(tmp_path, source, marked):
 
 
 def test_collection_marks_modules_and_minus_m_mcore_selects_them():
+    """conftest.py marks at collection, before ``-m`` selects (this module is marked: its strings
+    name programs that import megatron-core; kl/test_kl_fdiv.py is not)."""
     r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                        "-m", "mcore", "tests/kl/test_kl_fdiv.py", "tests/kl/test_kl_registry.py"],
+                        "-m", "mcore", "tests/kl/test_kl_fdiv.py", "tests/test_mcore_marker.py"],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     ids = [line for line in r.stdout.splitlines() if "::" in line]
-    assert ids and all(i.startswith("tests/kl/test_kl_registry.py::") for i in ids)
-    assert "tests selected" not in r.stdout or "deselected" in r.stdout
+    assert ids and all(i.startswith("tests/test_mcore_marker.py::") for i in ids)
+    assert "deselected" in r.stdout
+
+
+def test_every_test_of_this_session_is_marked_as_its_module_reaches_megatron_core(request):
+    for item in request.session.items:
+        assert (item.get_closest_marker("mcore") is not None) == reaches_megatron(str(item.path)), item.nodeid

@@ -1,7 +1,7 @@
 """The trainer launched as torchrun does (ranks forked with torchrun's environment, see
 trainer_launch.py): layouts agree with one rank, resume is bit-exact, NaN steps are skipped and
-counted; under a real torchrun (marked ``launch``): SIGTERM checkpoints, a dead peer ends the run,
-and a smoke run at DP=2."""
+counted; under a real torchrun (marked ``launch``): SIGTERM checkpoints (also the smoke run of a
+real ``torchrun -m emapg_megatron.train``: steps, a checkpoint, exit 0), a dead peer ends the run."""
 
 import signal
 import time
@@ -161,14 +161,12 @@ def test_a_dead_peer_ends_the_run_with_one_line(init_ckpt, tmp_path):
     assert "error: a collective failed" in out or "error: stopped by signal" in out, out
 
 
-@pytest.mark.launch
 def test_rollout_dumps_hold_every_sequence_of_every_dp_rank(tmp_path):
     """--rollout-dump-interval at DP=2: each dumped step has all B x N sequences, their rewards
-    averaging to the step's logged reward_mean; steps off the interval are not dumped. Also the
-    smoke run of a real ``torchrun -m emapg_megatron.train`` to the end."""
+    averaging to the step's logged reward_mean; steps off the interval are not dumped."""
     import json
 
-    r = torchrun(2, ["--train-iters", "3", "--rollout-dump-interval", "2"], tmp_path, real=True)
+    r = torchrun(2, ["--train-iters", "3", "--rollout-dump-interval", "2"], tmp_path)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     dumped = [json.loads(line) for line in (tmp_path / "rollouts.jsonl").read_text().splitlines()]
     assert {d["step"] for d in dumped} == {2} and len(dumped) == 4 * 4

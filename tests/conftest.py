@@ -83,6 +83,46 @@ def _skip_gpu_tests(items):
             item.add_marker(skip)
 
 
+# --- shared by several modules: built or run once per session ----------------------------------
+@pytest.fixture(scope="session")
+def tiny_hf_model(tmp_path_factory):
+    """``tiny_hf.build_tiny_hf``'s folder (a tiny Qwen2 model and its byte-level BPE tokenizer),
+    built once for every module that reads it; a test that changes files works on a copy."""
+    from tiny_hf import build_tiny_hf
+
+    return build_tiny_hf(str(tmp_path_factory.mktemp("tiny_hf")))
+
+
+@pytest.fixture(scope="session")
+def hf_models(tmp_path_factory):
+    """The equivalence matrix's architectures (``test_equivalence_matrix.ARCHS``, seeded weights)
+    as tiny HF folders, built once for it, the fused-LM-head and the distillation tests."""
+    from test_equivalence_matrix import ARCHS, build_hf_model
+
+    return {a: build_hf_model(tmp_path_factory.mktemp(a), a) for a in ARCHS}
+
+
+@pytest.fixture(scope="session")
+def trainer_steps():
+    """``train_run_workers.train_steps`` on forked ranks, each distinct run once per session (the
+    equivalence matrix and the fused-LM-head test take some of the same runs): ``run(nproc, argv,
+    steps, tp=1, pp=1)`` -> each rank's result. Callers only read the results."""
+    from train_run_workers import train_steps
+
+    from emapg_megatron.multiprocess import run_distributed
+
+    done = {}
+
+    def run(nproc, argv, steps, tp=1, pp=1, timeout=600):
+        key = (nproc, tp, pp, tuple(argv), steps)
+        if key not in done:
+            done[key] = run_distributed(train_steps, nproc, tp=tp, pp=pp, args=(list(argv), steps),
+                                        timeout=timeout)
+        return done[key]
+
+    return run
+
+
 @pytest.fixture(scope="module")
 def retriever():
     """The BM25 retriever over the bundled sample corpus (one per test module)."""

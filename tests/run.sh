@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
-# The README's test command: install what is missing, then run the whole suite on CPU once per end
-# of the supported megatron-core range (setup.py):
+# The README's test command: install what is missing, then run the suite on CPU once per end of
+# the supported megatron-core range (setup.py):
 #   mcore016  megatron-core 0.16.1 in ./.venv (or the active environment, or $PYTHON), made with
-#             python3;
+#             python3: every test;
 #   mcore019  megatron-core $MCORE019_VERSION in ./.venv-mcore019, made with Python 3.12 (0.17 and
-#             later need it; $PYTHON312, else python3.12, else pyenv's 3.12). PyPI's torch for
-#             3.12 is the CUDA build: a 5.5 GB environment, unused CUDA libraries included.
-# mcore019 runs only the tests marked mcore (those whose modules reach megatron-core through their
-# imports: tests/mcore_marker.py); mcore016 runs them all. Each says how many it selected.
+#             later need it; $PYTHON312, else python3.12, else pyenv's 3.12): the tests marked
+#             mcore (their modules reach megatron-core through their imports: tests/mcore_marker.py).
+#             PyPI's torch for 3.12 is the CUDA build: a 5.5 GB environment, unused CUDA libraries
+#             included.
+# The installs are idempotent (a second run installs nothing). The next suite's install runs in the
+# background while a suite's tests run (its output is shown when that suite starts). Each suite says
+# how many tests it selected and how long it took.
 # Arguments go to pytest in each suite: paths among them replace the default (`tests`, pytest.ini's
 # testpaths), options pass through (`bash tests/run.sh tests/kl -q`; a -m EXPR is joined with mcore
 # in the mcore019 suite). SUITES="mcore016" (or "mcore019") runs one. Both run even when the first
@@ -30,20 +33,15 @@ python312() {
   return 1
 }
 
-suite() {  # NAME [env settings of the install scripts ...] -- pytest arguments
-  local name=$1 settings=() py started=$SECONDS
-  shift
-  while [[ "$1" != -- ]]; do settings+=("$1"); shift; done
-  shift
-  env "${settings[@]}" bash tools/install_cpu.sh  # the settings stay out of the tests' environment
-  py=$(env "${settings[@]}" bash tools/python.sh)
-  say "$name: megatron-core $("$py" -c 'from importlib.metadata import version; print(version("megatron-core"))'), Python $("$py" -c 'import platform; print(platform.python_version())')"
-  PATH="$(dirname "$(command -v "$py")"):$PATH"  # scripts the tests run find the same python3
-  export PATH OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} CUDA_DEVICE_MAX_CONNECTIONS=1
-  local status=0
-  "$py" -m pytest -q -p no:cacheprovider --timeout=900 --durations=15 "$@" || status=$?
-  say "$name: pytest exited $status after $((SECONDS - started)) s (installs included)"
-  return "$status"
+settings() {  # NAME: the install scripts' settings of NAME's environment, one a line (kept out of
+              # the tests' environment)
+  case "$1" in
+    mcore016) ;;
+    mcore019) local py312
+              py312=$(python312) || return 1
+              printf '%s\n' -u PYTHON -u VIRTUAL_ENV VENV=.venv-mcore019 "BASE_PYTHON=$py312" \
+                            "MCORE_VERSION=$MCORE019_VERSION" ;;
+  esac
 }
 
 only_mcore() {  # pytest arguments -> the same with -m "mcore" (joined with a -m EXPR given)
@@ -58,15 +56,59 @@ only_mcore() {  # pytest arguments -> the same with -m "mcore" (joined with a -m
   printf '%s\0' ${args[@]+"${args[@]}"} -m "mcore${expr:+ and ($expr)}"
 }
 
+install() {  # NAME SETTINGS...: install NAME's environment
+  local name=$1 started=$SECONDS
+  shift
+  env "$@" bash tools/install_cpu.sh || { say "$name: the install failed"; return 1; }
+  say "$name: environment ready in $((SECONDS - started)) s"
+}
+
+suite() {  # NAME SETTINGS... -- pytest arguments: run NAME's tests in its installed environment
+  local name=$1 settings=() py started=$SECONDS status=0
+  shift
+  while [[ "$1" != -- ]]; do settings+=("$1"); shift; done
+  shift
+  py=$(env ${settings[@]+"${settings[@]}"} bash tools/python.sh)
+  say "$name: megatron-core $("$py" -c 'from importlib.metadata import version; print(version("megatron-core"))'), Python $("$py" -c 'import platform; print(platform.python_version())')"
+  PATH="$(dirname "$(command -v "$py")"):$PATH"  # scripts the tests run find the same python3
+  export PATH OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} CUDA_DEVICE_MAX_CONNECTIONS=1
+  if [[ "$name" == mcore019 ]]; then
+    mapfile -d '' args < <(only_mcore "$@")
+    set -- "${args[@]}"
+  fi
+  "$py" -m pytest -q -p no:cacheprovider --timeout=900 --durations=15 "$@" || status=$?
+  say "$name: pytest exited $status after $((SECONDS - started)) s"
+  return "$status"
+}
+
+read -r -a suites <<< "${SUITES:-mcore016 mcore019}"
+for name in "${suites[@]}"; do
+  [[ "$name" == mcore016 || "$name" == mcore019 ]] || { say "unknown suite '$name' in SUITES (mcore016, mcore019)"; exit 2; }
+done
+logs=$(mktemp -d)
+trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$logs"' EXIT  # an install left running ends with us
+declare -A background=()  # suite -> pid of its install, started while the suite before it ran
 status=0
-for name in ${SUITES:-mcore016 mcore019}; do
-  case "$name" in
-    mcore016) (suite "$name" -- "$@") || status=1 ;;
-    mcore019) (py312=$(python312)
-               mapfile -d '' args < <(only_mcore "$@")
-               suite "$name" -u PYTHON -u VIRTUAL_ENV VENV=.venv-mcore019 BASE_PYTHON="$py312" \
-                     MCORE_VERSION="$MCORE019_VERSION" -- "${args[@]}") || status=1 ;;
-    *) say "unknown suite '$name' in SUITES (mcore016, mcore019)"; exit 2 ;;
-  esac
+for i in "${!suites[@]}"; do
+  name=${suites[$i]}
+  text=$(settings "$name") || { status=1; continue; }
+  these=()
+  [[ -z "$text" ]] || mapfile -t these <<< "$text"
+  if [[ -n "${background[$name]:-}" ]]; then
+    ok=0
+    wait "${background[$name]}" || ok=$?
+    cat "$logs/$name" >&2
+    ((ok == 0)) || { status=1; continue; }
+  else
+    install "$name" ${these[@]+"${these[@]}"} || { status=1; continue; }
+  fi
+  next=${suites[$((i + 1))]:-}
+  if [[ -n "$next" ]] && next_text=$(settings "$next" 2>/dev/null); then
+    next_settings=()
+    [[ -z "$next_text" ]] || mapfile -t next_settings <<< "$next_text"
+    install "$next" ${next_settings[@]+"${next_settings[@]}"} > "$logs/$next" 2>&1 &
+    background[$next]=$!
+  fi
+  (suite "$name" ${these[@]+"${these[@]}"} -- "$@") || status=1
 done
 exit "$status"

@@ -9,8 +9,10 @@
 #             PyPI's torch for 3.12 is the CUDA build: a 5.5 GB environment, unused CUDA libraries
 #             included.
 # The installs are idempotent (a second run installs nothing). The next suite's install runs in the
-# background while a suite's tests run (its output is shown when that suite starts). Each suite says
-# how many tests it selected and how long it took.
+# background while a suite's tests run. The suites then run side by side on the CI machine's two
+# cores (much of a suite is one busy process): the first suite's output as it runs, the other's
+# when it ends; SUITES_PARALLEL=0 runs them one after the other. Each suite says how many tests
+# it selected and how long it took.
 # Arguments go to pytest in each suite: paths among them replace the default (`tests`, pytest.ini's
 # testpaths), options pass through (`bash tests/run.sh tests/kl -q`; a -m EXPR is joined with mcore
 # in the mcore019 suite). SUITES="mcore016" (or "mcore019") runs one. Both run even when the first
@@ -85,10 +87,13 @@ read -r -a suites <<< "${SUITES:-mcore016 mcore019}"
 for name in "${suites[@]}"; do
   [[ "$name" == mcore016 || "$name" == mcore019 ]] || { say "unknown suite '$name' in SUITES (mcore016, mcore019)"; exit 2; }
 done
+parallel=${SUITES_PARALLEL:-1}
 logs=$(mktemp -d)
 trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$logs"' EXIT  # an install left running ends with us
 declare -A background=()  # suite -> pid of its install, started while the suite before it ran
+running=()  # suite:pid of the suites running in the background (SUITES_PARALLEL)
 status=0
+started=$SECONDS
 for i in "${!suites[@]}"; do
   name=${suites[$i]}
   text=$(settings "$name") || { status=1; continue; }
@@ -109,6 +114,24 @@ for i in "${!suites[@]}"; do
     install "$next" ${next_settings[@]+"${next_settings[@]}"} > "$logs/$next" 2>&1 &
     background[$next]=$!
   fi
-  (suite "$name" ${these[@]+"${these[@]}"} -- "$@") || status=1
+  if [[ "$parallel" != 1 || ${#suites[@]} == 1 ]]; then
+    (suite "$name" ${these[@]+"${these[@]}"} -- "$@") || status=1
+  elif ((${#running[@]} == 0)); then  # the first suite's output is shown as it runs
+    (suite "$name" ${these[@]+"${these[@]}"} -- "$@") &
+    running+=("$name:$!")
+  else  # the others' when they end
+    say "$name: running beside ${running[0]%%:*}; its output follows when it ends"
+    (suite "$name" ${these[@]+"${these[@]}"} -- "$@") > "$logs/$name.out" 2>&1 &
+    running+=("$name:$!")
+  fi
 done
+for entry in ${running[@]+"${running[@]}"}; do
+  name=${entry%%:*}
+  wait "${entry#*:}" || status=1
+  if [[ -f "$logs/$name.out" ]]; then
+    say "---- $name (ran beside the suite above) ----"
+    cat "$logs/$name.out" >&2
+  fi
+done
+((${#suites[@]} == 1)) || say "all suites done in $((SECONDS - started)) s, exit status $status"
 exit "$status"

@@ -29,10 +29,12 @@ setup(
         "math": ["math-verify"],
         "search": ["bm25s"],
         "wandb": ["wandb"],
-        # GPU node (torch 2.11 + CUDA 13): vLLM 0.25.1 pins torch==2.11.0; Transformer Engine inside
-        # megatron-core 0.16.1's range (>=2.9, <2.12) with the CUDA-13 core. TE's torch extension is
-        # source-only: build it first with --no-build-isolation (docs/gpu.md). megatron-core: the
-        # release checked on a GPU (tools/gpu_check.sh); 0.19.x is checked on CPU only so far.
+        # GPU node (torch 2.11 + CUDA 13): the version table of docs/gpu.md ("Versions"), which the
+        # Docker image follows too (tests/test_versions.py). vLLM 0.25.1 requires torch==2.11.0;
+        # Transformer Engine inside megatron-core 0.16.1's range (>=2.9, <2.12) with the CUDA-13
+        # core. TE's torch extension is source-only: build it first with --no-build-isolation
+        # (docs/gpu.md). megatron-core: the release checked on a GPU (tools/gpu_check.sh); 0.19.x
+        # is checked on CPU only so far.
         "gpu": ["megatron-core==0.16.1", "transformer-engine[core_cu13,pytorch]==2.11.*", "vllm==0.25.1"],
     },
     entry_points={

@@ -12,7 +12,7 @@
 # the reason. Needs PyPI access; nothing is installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-exec "${PYTHON:-python3}" - "${1:-docker/Dockerfile}" <<'PY'
+exec "$(bash tools/python.sh)" - "${1:-docker/Dockerfile}" <<'PY'
 import json
 import os
 import re

@@ -36,6 +36,7 @@ from emapg_megatron.tasks.config import TaskConfig
 from emapg_megatron.training.config import OptimConfig
 
 PRESETS_PACKAGE = "emapg_megatron.presets"
+DRY_RUN_OUTPUTS = ("summary", "json")
 
 
 @dataclass
@@ -46,8 +47,10 @@ class LaunchOptions:
     """Named configuration shipped with the package, e.g. tiny-cpu."""
     config: str | None = option(None)
     """YAML file supplying any flag; the command line overrides it."""
-    dry_run: bool = option(False)
-    """Validate everything, print the resolved config and the parallel layout, then exit."""
+    dry_run: str | bool = option(False, choices=DRY_RUN_OUTPUTS, const="summary")
+    """Validate everything (flags, data, model, layout) in one process, print what would run,
+    then exit: no rank starts. --dry-run prints a short summary, --dry-run=json every resolved
+    setting as JSON. Default: off (the run starts)."""
     world_size: int | None = option(None, range=at_least(1))
     """World size to validate a --dry-run against (default: $WORLD_SIZE or 1); a real run launched
     by torchrun with another $WORLD_SIZE is refused."""
@@ -90,11 +93,18 @@ class RunConfig:
 def build_parser() -> argparse.ArgumentParser:
     parser = configurable.ArgumentParser(
         prog="emapg-train",
-        description="EMA Policy Gradient / GRPO on Megatron-Core. Launch with "
-                    "`torchrun --nproc_per_node N -m emapg_megatron.train ...`. The defaults of the "
-                    "model and KL flags are a real LM's; for a first run on a CPU, use "
-                    "--preset tiny-cpu. Megatron-LM's names for the same settings are accepted "
-                    "(--grpo-group-size, --grpo-kl-beta, ...).",
+        usage="emapg-train [--nproc-per-node N [--nnodes M --node-rank R --master-addr A --master-port P | "
+              "--standalone]] [--preset NAME] [--config FILE.yaml] [flags]",
+        description="EMA Policy Gradient / GRPO on Megatron-Core. emapg-train checks every flag, the "
+                    "data and the model in one process, then starts --nproc-per-node ranks with "
+                    "torchrun (`torchrun -m emapg_megatron.train FLAGS` works too, without that "
+                    "check). The defaults are small (a model that trains on a CPU); a real model "
+                    "comes from --load-hf's config.json, and its run sets --seq-length and "
+                    "--max-new-tokens for its prompts (the error on a prompt that does not fit names "
+                    "the values that do). A first run on a CPU: emapg-train --standalone "
+                    "--nproc-per-node 2 --preset tiny-cpu. "
+                    "Megatron-LM's names for the same settings are accepted (--grpo-group-size, "
+                    "--grpo-kl-beta, ...).",
         formatter_class=configurable.HelpFormatter,
     )
     configurable.add_arguments(parser, RunConfig)
@@ -111,14 +121,15 @@ def preset_path(name: str) -> str:
 
 
 def parse_args(argv=None) -> RunConfig:
-    """The run's config from ``argv``: defaults < --preset < --config < the command line."""
+    """The run's config from ``argv``: defaults < --preset (the command line's, else the YAML's
+    ``preset:``) < --config < the command line."""
     parser = build_parser()
     first, _ = parser.parse_known_args(argv)
-    refused = ("preset", "config")
-    if first.preset:
-        parser.set_defaults(**configurable.yaml_defaults(parser, preset_path(first.preset), "preset", refused))
-    if first.config:
-        parser.set_defaults(**configurable.yaml_defaults(parser, first.config, "--config file", refused))
+    yaml = configurable.yaml_defaults(parser, first.config, "--config file", ("config",)) if first.config else {}
+    preset = first.preset or yaml.pop("preset", None)
+    if preset:
+        parser.set_defaults(**configurable.yaml_defaults(parser, preset_path(preset), "preset", ("preset", "config")))
+    parser.set_defaults(**yaml)
     return configurable.build(RunConfig, vars(parser.parse_args(argv)))
 
 
@@ -248,9 +259,10 @@ def _validate_fresh_outputs(cfg: RunConfig) -> None:
            f"--save {ckpt.save} holds the checkpoints of an earlier run: pass --load {ckpt.save} to "
            "resume it, another --save, or --overwrite to delete them and start over")
     metrics = cfg.log.metrics_path
+    # (a run that saved there to resume from was refused above, with --load in its message)
     _check(ckpt.load is not None or not os.path.isfile(metrics) or os.path.getsize(metrics) == 0,
-           f"--log-dir {log_dir} holds the metrics of an earlier run: pass --load to resume it, another "
-           "--log-dir, or --overwrite to delete them and start over")
+           f"--log-dir {log_dir} holds the metrics of an earlier run: pass another --log-dir, or "
+           "--overwrite to delete them and start over")
 
 
 def validate_architecture(cfg: RunConfig, model_cfg: ModelConfig) -> None:

@@ -31,6 +31,7 @@ from emapg_megatron.anchor.teacher import (
 )
 from emapg_megatron.arguments import RunConfig
 from emapg_megatron.checkpoint import load_hf_weights
+from emapg_megatron.checkpoint import training as checkpointing
 from emapg_megatron.checkpoint.convert import (
     METADATA,
     architecture_for,
@@ -98,6 +99,10 @@ def prepare(argv=None) -> RunInputs:
     """Parse, validate and load everything that needs no process group (bad input stops here)."""
     cfg = arguments.parse_args(argv)
     arguments.validate(cfg, world_size_from_env(cfg.launch))
+    if cfg.step.top_p < 1.0:  # a training concern only (evaluation samples what it likes)
+        warnings.warn("--top-p < 1: the samples do not come from the policy, so the KL estimators rely on "
+                      "their importance weight with the truncated distribution's log-prob (recorded)",
+                      stacklevel=2)
     model_cfg, arch, hf_cfg = model_source(cfg)
     arguments.validate_architecture(cfg, model_cfg)
     validate_precision(cfg.precision, cfg.parallel.resolved_device(), hardware=not cfg.launch.dry_run)
@@ -108,6 +113,8 @@ def prepare(argv=None) -> RunInputs:
         raise ConfigError(f"--partial-rollouts does not support multi-turn tasks (--task {cfg.task.name}): "
                           "an episode's environment state cannot be carried between steps")
     teacher_cfg = teacher_architecture(cfg, model_cfg, tokenizer)
+    if cfg.checkpoint.load and not cfg.launch.dry_run:  # a staged example's --load may not exist yet
+        checkpointing.check_train_iters(cfg.loop.train_iters, cfg.checkpoint.load)
     prompts = load_prompts(cfg, tokenizer, task, cfg.task.data_path)
     return RunInputs(cfg, model_cfg, tokenizer, task, prompts, load_eval_rows(cfg, tokenizer, task),
                      arch, hf_cfg, teacher_cfg)
@@ -125,11 +132,40 @@ def teacher_architecture(cfg: RunConfig, model_cfg: ModelConfig, tokenizer) -> M
 
 
 def describe(inputs: RunInputs) -> str:
-    """The resolved configuration and layout, as --dry-run prints it."""
+    """The resolved configuration and layout, as --dry-run=json prints it."""
     cfg = inputs.config
     return json.dumps({"layout": layout(cfg.parallel, world_size_from_env(cfg.launch)),
                        "prompts": len(inputs.prompts.rows), "model": inputs.model_cfg.to_dict(),
                        "args": cfg.flags()}, indent=2, default=str)
+
+
+def summarize(inputs: RunInputs) -> str:
+    """What the run would do, in a few lines (--dry-run)."""
+    cfg, m, step = inputs.config, inputs.model_cfg, inputs.config.step
+    world = world_size_from_env(cfg.launch)
+    par = layout(cfg.parallel, world)
+    anchor = (f"teacher {cfg.teacher.path}" if cfg.teacher.path else
+              f"EMA eta {cfg.ema.eta:g} every {cfg.ema.update_period} steps")
+    kl = f"{cfg.kl.loss_type}" + (f" k={cfg.kl.k} tail {cfg.kl.tail}" if cfg.kl.uses_topk else "")
+    rows = [
+        ("layout", f"world {world} = TP {par['tensor_model_parallel_size']} x PP "
+                   f"{par['pipeline_model_parallel_size']} x DP {par['data_parallel_size']} "
+                   f"({cfg.parallel.resolved_device()})"),
+        ("model", f"{inputs.architecture or 'GPT'}: {m.num_layers} layers, hidden {m.hidden_size}, "
+                  f"{m.num_attention_heads} heads ({m.num_query_groups or m.num_attention_heads} query groups), "
+                  f"vocab {m.vocab_size}" + (f", from {cfg.model.load_hf}" if cfg.model.load_hf else "")),
+        ("task", f"{cfg.task.name}: {len(inputs.prompts.rows)} prompts"
+                 + (f" ({len(inputs.prompts.dropped)} too long, dropped)" if inputs.prompts.dropped else "")),
+        ("step", f"{step.rollout_batch_size} prompts x {step.num_samples} samples, at most {step.max_new_tokens} "
+                 f"new tokens (--seq-length {step.seq_length}); {step.updates_per_step} update(s) per step"
+                 + (", partial rollouts" if cfg.partial_rollouts.enabled else "")),
+        ("loss", f"KL {kl}, beta {cfg.loss.kl_coef:g}; anchor: {anchor}"),
+        ("run", f"{cfg.loop.train_iters} steps; --save {cfg.checkpoint.save or '(none)'}; "
+                f"--log-dir {cfg.log.log_dir}"),
+    ]
+    lines = [f"  {name:7s}{text}" for name, text in rows]
+    return "\n".join(["dry run: every check passed; nothing was started", *lines,
+                      "(every resolved setting: --dry-run=json)"])
 
 
 def build_trainer(inputs: RunInputs) -> Trainer:
@@ -193,8 +229,11 @@ def evaluation(inputs: RunInputs, trainer: Trainer):
 
 
 def load_initial_weights(chunks, optimizer, cfg: RunConfig, model_cfg: ModelConfig) -> None:
-    """--pretrained-checkpoint's or --load-hf's weights (else the random init stays)."""
+    """--pretrained-checkpoint's or --load-hf's weights (else the random init stays); none with
+    --load, whose checkpoint then replaces every weight (reading them first would only cost time)."""
     path, hf = cfg.model.pretrained_checkpoint, cfg.model.load_hf
+    if cfg.checkpoint.load:
+        return
     if path:
         load_pretrained(chunks, optimizer, path)
         check_loaded_weights(chunks, f"--pretrained-checkpoint {path}")

@@ -108,16 +108,19 @@ class Option:
     trajectory: bool = False
     """Changing it changes the data order or the samples: a run resumed with another value no
     longer follows the uninterrupted one (:func:`trajectory_dests`)."""
+    const: object = None
+    """A flag that may be given without a value (``--dry-run`` or ``--dry-run=json``): alone it
+    takes this value; its default (not among the choices) means "not given"."""
 
 
 def option(default=MISSING, *, flag: str | None = None, aliases: tuple[str, ...] = (),
            choices=None, range: Range | None = None, path: str | None = None,
            negatable: bool = False, metavar=None, deprecated: tuple[str, ...] = (),
-           trajectory: bool = False):
+           trajectory: bool = False, const=None):
     """A dataclass field the user sets by a flag (and in YAML); see :class:`Option`. Without a
     default the flag is required (:func:`check_fields` says it needs a value)."""
     meta = Option(flag, tuple(aliases), tuple(choices) if choices is not None else None, range,
-                  path, negatable, metavar, tuple(deprecated), trajectory)
+                  path, negatable, metavar, tuple(deprecated), trajectory, const)
     return dataclasses.field(default=default, metadata={_OPTION: meta})
 
 
@@ -285,6 +288,8 @@ def _argument(cls, f: dataclasses.Field) -> dict:
     kw["type"] = scalar
     if count is not None:
         kw["nargs"] = count
+    if opt.const is not None:
+        kw.update(nargs="?", const=opt.const)
     if opt.choices is not None:
         kw["choices"] = opt.choices
     if opt.metavar is not None:
@@ -327,14 +332,17 @@ def yaml_defaults(parser: argparse.ArgumentParser, path: str, what: str,
         raise ConfigError(f"{what} {path} must be a mapping of flag names to values")
     actions = {s[2:].replace("-", "_"): a for a in parser._actions for s in a.option_strings
                if s.startswith("--") and a.dest not in (*refused, "help")}
+    unknown = [key for key in data if str(key).replace("-", "_") not in actions]
+    if unknown:
+        known = [k.replace("_", "-") for k in actions]
+        said = []
+        for key in unknown:
+            close = difflib.get_close_matches(str(key).replace("_", "-"), known, n=1)
+            said.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        raise ConfigError(f"{what} {path}: unknown option{'s' if len(said) > 1 else ''} {', '.join(said)}")
     out = {}
     for key, value in data.items():
-        action = actions.get(str(key).replace("-", "_"))
-        if action is None:
-            close = difflib.get_close_matches(str(key).replace("_", "-"),
-                                              [k.replace("_", "-") for k in actions], n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ConfigError(f"{what} {path}: unknown option {key!r}{hint}")
+        action = actions[str(key).replace("-", "_")]
         try:
             out[action.dest] = _yaml_value(action, value)
         except (TypeError, ValueError) as e:
@@ -346,6 +354,10 @@ def _yaml_value(action: argparse.Action, value):
     """A YAML value checked as the command line checks the flag: type, arity and choices."""
     if value is None:
         return None
+    if action.nargs == "?" and isinstance(value, bool):  # the flag alone (true), or not given
+        return action.const if value else action.default
+    if action.nargs == "?" and value not in action.choices:
+        raise ValueError(f"must be true, false or one of {', '.join(map(str, action.choices))} (got {value!r})")
     if action.nargs == 0 or isinstance(action, argparse.BooleanOptionalAction):
         if not isinstance(value, bool):
             raise ValueError(f"must be true or false (got {value!r})")
@@ -411,6 +423,8 @@ def check_fields(cfg) -> None:
     with one line."""
     for f in option_fields(type(cfg)):
         value, opt, flag = getattr(cfg, f.name), option_of(f), flag_of(f)
+        if opt.const is not None and value == f.default:
+            continue  # a flag with an optional value, not given
         if value is None:
             if f.default is not None:
                 raise ConfigError(f"{flag} needs a value")

@@ -16,7 +16,6 @@ import sys
 import torch.distributed as dist
 
 from emapg_megatron import build, runtime
-from emapg_megatron.checkpoint import training as checkpointing
 from emapg_megatron.configurable import trajectory_dests
 from emapg_megatron.errors import CollectiveError, ConfigError, RunError, agreed
 from emapg_megatron.run import loop
@@ -32,11 +31,9 @@ def run(argv=None) -> int:
     inputs = build.prepare(argv)  # every check that needs no process group: nothing runs yet
     cfg = inputs.config
     if cfg.launch.dry_run:  # a staged example's --load may not exist yet
-        print(build.describe(inputs))
+        print(build.describe(inputs) if cfg.launch.dry_run == "json" else build.summarize(inputs))
         return 0
     load, save, log = cfg.checkpoint.load, cfg.checkpoint.save, cfg.log
-    if load:
-        checkpointing.check_train_iters(cfg.loop.train_iters, load)
     runtime.initialize(cfg.parallel, cfg.loop.seed)
     prompt_cache.release()  # every rank has read the node's prompts: its process group exists
     save_lock = None
@@ -45,7 +42,7 @@ def run(argv=None) -> int:
         if cfg.checkpoint.overwrite and not load:
             cleared = on_rank0(lambda: clear_earlier_run(cfg.checkpoint, log))
             if cleared:
-                loop.log0(f"--overwrite: deleted {len(cleared)} checkpoint and log files of an earlier run")
+                loop.log0(f"--overwrite: deleted {cleared} of an earlier run")
         trainer = build.build_trainer(inputs)
         record = loop.RunRecord(cfg.flags(), build.model_metadata(inputs),
                                 trajectory=trajectory_dests(type(cfg)))

@@ -73,7 +73,8 @@ suite() {  # NAME SETTINGS... -- pytest arguments: run NAME's tests in its insta
   py=$(env ${settings[@]+"${settings[@]}"} bash tools/python.sh)
   say "$name: megatron-core $("$py" -c 'from importlib.metadata import version; print(version("megatron-core"))'), Python $("$py" -c 'import platform; print(platform.python_version())')"
   PATH="$(dirname "$(command -v "$py")"):$PATH"  # scripts the tests run find the same python3
-  export PATH OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} CUDA_DEVICE_MAX_CONNECTIONS=1
+  PYTHON=$py  # ... and tools/python.sh (every example script's interpreter) names it too
+  export PATH PYTHON OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} CUDA_DEVICE_MAX_CONNECTIONS=1
   if [[ "$name" == mcore019 ]]; then
     mapfile -d '' args < <(only_mcore "$@")
     set -- "${args[@]}"

@@ -202,7 +202,7 @@ def test_pretrained_checkpoint_must_hold_the_architecture_of_the_run(tmp_path):
     ("lr: [1, 2]\n", "lr: must be a single value"),
     ("train-iters: 2.7\n", "train-iters: must be an integer"),
     ("train-iters: true\n", "train-iters: must be a number"),
-    ('dry-run: "false"\n', "dry-run: must be true or false"),
+    ('dry-run: "false"\n', "dry-run: must be true, false or one of summary, json"),
     ("kl-tail: bogus\n", "kl-tail: must be one of unbiased, paper, none"),
     ("kl-iw-clip: 2\n", "kl-iw-clip: must be a list of 2 values"),
     ("lr: abc\n", "lr: could not convert string to float"),

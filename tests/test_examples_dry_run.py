@@ -51,7 +51,7 @@ def _model_dir(tmp_path, config: dict) -> str:
 
 
 def _run(script: str, env: dict, *args: str) -> subprocess.CompletedProcess:
-    full = {**os.environ, "DRY_RUN": "1", "OMP_NUM_THREADS": "1", **env}
+    full = {**os.environ, "DRY_RUN": "1", "DRY_RUN_OUTPUT": "json", "OMP_NUM_THREADS": "1", **env}
     for name in ("NNODES", "NPROC", "WORLD_SIZE", "STAGE", "KL_LOSS", "PRECISION"):
         if name not in env:
             full.pop(name, None)

@@ -114,7 +114,7 @@ def test_trainer_benchmark_command_is_accepted_by_the_trainer_cli(checks, tmp_pa
     assert plan["model"]["params"] == 494032768  # Qwen2.5-0.5B
     from emapg_megatron import train
 
-    assert train.run(plan["trainer_argv"] + ["--dry-run"]) == 0
+    assert train.run(plan["trainer_argv"] + ["--dry-run=json"]) == 0
     resolved = json.loads(capsys.readouterr().out)
     expect = dict(vocab_size=151936, hidden_size=896, ffn_hidden_size=4864, num_layers=24, num_attention_heads=14,
                   num_query_groups=2, add_qkv_bias=True, tie_word_embeddings=True, rotary_base=1e6)
@@ -146,7 +146,7 @@ def test_gpu_tests_trainer_command_lines_pass_the_cli(gpu_helpers, tiny_hf_model
     variants = [(g.LOCAL_SPEC, "local"), *[(flags, "auto") for flags in g.EMA_MODES.values()],
                 (g.FP8_HYBRID, "transformer_engine"), (g.vllm_flags(tiny_hf_model), "auto")]
     for extra, impl in variants:
-        assert train.run(g.TRAINER_BASE + extra + ["--dry-run"]) == 0, extra
+        assert train.run(g.TRAINER_BASE + extra + ["--dry-run=json"]) == 0, extra
         a = json.loads(capsys.readouterr().out)["args"]
         assert a["device"] == "cuda" and a["bf16"] and a["tensor_model_parallel_size"] == 1
         assert a["transformer_impl"] == impl, extra

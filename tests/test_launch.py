@@ -83,7 +83,10 @@ def test_ctrl_c_saves_and_exits_130_without_a_traceback(tmp_path):
         time.sleep(0.5)
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: every process of the job
     out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 130 and err.strip() == "", err
+    # one line, said at once (issue 39: it was nothing until the save ended), and no traceback
+    assert proc.returncode == 130 and err.strip() == (
+        f"Ctrl-C (SIGINT) received: each rank finishes the step it is in, saves a checkpoint in "
+        f"{tmp_path / 'ckpt'} and stops; Ctrl-C again stops at once, without that checkpoint"), err
     step = len(metrics.read_text().splitlines())
     assert f"signal received: stopped after step {step}" in out
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == str(step)
@@ -99,8 +102,9 @@ def test_a_fresh_run_never_replaces_an_earlier_ones_outputs(tmp_path):
     assert (code, err) == (2, f"error: --save {save} holds the checkpoints of an earlier run: pass --load {save} "
                               "to resume it, another --save, or --overwrite to delete them and start over")
     code, err = in_process("--log-dir", str(log))
-    assert (code, err) == (2, f"error: --log-dir {log} holds the metrics of an earlier run: pass --load to "
-                              "resume it, another --log-dir, or --overwrite to delete them and start over")
+    # this run saves nowhere: nothing to resume, so --load is not suggested (issue 39, item 9)
+    assert (code, err) == (2, f"error: --log-dir {log} holds the metrics of an earlier run: pass another "
+                              "--log-dir, or --overwrite to delete them and start over")
     assert (save / "iter_0000004").is_dir() and (log / "metrics.jsonl").read_text() == '{"step": 1}\n'
 
 

@@ -8,4 +8,4 @@
 # See docs/gpu.md; the stages are in tools/run_gpu_checks.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-exec "${PYTHON:-python3}" tools/run_gpu_checks.py "$@"
+exec "$(bash tools/python.sh)" tools/run_gpu_checks.py "$@"

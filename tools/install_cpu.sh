@@ -22,15 +22,20 @@ venv=$(dirname "$(dirname "$PY")")
 if [[ -z "${PYTHON:-}${VIRTUAL_ENV:-}" && ! -x "$PY" ]]; then
   step "making a virtual environment in $venv with ${BASE_PYTHON:-python3} (activate one, or set PYTHON, to install elsewhere)"
   if ! "${BASE_PYTHON:-python3}" -m venv "$venv"; then
-    step "could not make $venv (${BASE_PYTHON:-python3} -m venv failed): installing into $(command -v python3)"
-    PY=python3
+    rm -rf "$venv"
+    echo "error: could not make a virtual environment in $venv with ${BASE_PYTHON:-python3} (install its venv module, e.g. python3-venv, or set PYTHON to an interpreter to install into)" >&2
+    exit 1
   fi
 fi
 mcore_pin=()
 [[ -z "$MCORE_VERSION" ]] || mcore_pin=("megatron-core==$MCORE_VERSION")
 stamp="$("$PY" -c 'import sys; print(sys.prefix)')/.emapg-install-stamp"
 want="$(sha256sum setup.py | cut -c1-16) $EXTRAS torch==$TORCH_VERSION${mcore_pin:+ $mcore_pin}"
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$PY" -c "import emapg_megatron, megatron.core, torch" 2>/dev/null; then
+# Installed already: the stamp matches and the packages are there (found, not imported: a check in
+# well under a second instead of the ~20 s importing torch and Megatron takes).
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$PY" -c "
+import importlib.util, sys
+sys.exit(any(importlib.util.find_spec(m) is None for m in ('emapg_megatron', 'megatron.core', 'torch')))" 2>/dev/null; then
   exit 0
 fi
 started=$SECONDS

@@ -16,6 +16,7 @@ the checkpoint hooks) next to :class:`~emapg_megatron.anchor.ema.EmaAnchor`.
 
 from __future__ import annotations
 
+import os
 import time
 from contextlib import contextmanager
 from dataclasses import replace
@@ -46,9 +47,8 @@ def teacher_model_config(teacher: TeacherConfig, student: ModelConfig, *, tp: in
     else:
         meta = read_checkpoint_metadata(training_step_dir(teacher.checkpoint))
         cfg = ModelConfig.from_dict(meta["model_config"])
-    if cfg.vocab_size != student.vocab_size:
-        raise ConfigError(f"{where}: the teacher's vocabulary has {cfg.vocab_size} tokens, the "
-                          f"student's {student.vocab_size}: distillation needs the same tokenizer")
+    check_vocabulary(where, cfg.vocab_size, student.vocab_size,
+                     comparable=bool(teacher.load_hf) and _has_tokenizer_files(teacher.load_hf))
     if cfg.max_position_embeddings < seq_length:
         raise ConfigError(f"{where}: the teacher's position table ({cfg.max_position_embeddings}) is "
                           f"shorter than --seq-length {seq_length}")
@@ -57,6 +57,27 @@ def teacher_model_config(teacher: TeacherConfig, student: ModelConfig, *, tp: in
     except ConfigError as e:
         raise ConfigError(f"{where}: the teacher cannot be split like the student: {e}") from None
     return replace(cfg, make_vocab_size_divisible_by=student.make_vocab_size_divisible_by)
+
+
+def check_vocabulary(where: str, teacher_rows: int, student_rows: int, *, comparable: bool) -> None:
+    """The teacher scores every id the student can sample: as many vocabulary rows, or more when
+    only padding differs (Qwen2.5-7B's 152,064 rows against 0.5B's 151,936, over one tokenizer),
+    which needs the teacher's tokenizer files to show the tokenizers are the same. Its extra rows
+    are never sampled and carry no probability: the passes mask every column from the student's
+    vocabulary size on, on the teacher's output as on the student's."""
+    if teacher_rows < student_rows:
+        raise ConfigError(f"{where}: the teacher's vocabulary has {teacher_rows} rows, the student's "
+                          f"{student_rows}: the teacher must score every id the student can sample "
+                          "(the same tokenizer, as many rows or padded larger)")
+    if teacher_rows > student_rows and not comparable:
+        raise ConfigError(f"{where}: the teacher's vocabulary has {teacher_rows} rows, the student's "
+                          f"{student_rows}: a teacher padded larger is taken from an HF folder with its "
+                          "tokenizer files, checked to be the student's tokenizer (this one has none)")
+
+
+def _has_tokenizer_files(folder: str) -> bool:
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    return any(os.path.isfile(os.path.join(folder, n)) for n in names)
 
 
 def check_same_tokenizer(teacher: TeacherConfig, student_tokenizer) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 
 TRACKER = "latest_checkpointed_iteration.txt"
 _STEP_DIR = re.compile(r"iter_\d{7}")
@@ -31,3 +32,25 @@ def holds_checkpoint(root: str | None) -> bool:
 def run_files(root: str) -> list[str]:
     """The tracker and the ``iter_N`` directories under ``root`` (what --overwrite deletes)."""
     return sorted(os.path.join(root, n) for n in os.listdir(root) if _RUN_FILE.fullmatch(n))
+
+
+def partial_saves(root: str) -> list[str]:
+    """``iter_N.tmp`` directories: saves that never completed (not checkpoints)."""
+    return sorted(n for n in os.listdir(root) if re.fullmatch(r"iter_\d{7}\.tmp", n))
+
+
+def discard_partial_saves(root: str) -> None:
+    """Delete what an interrupted save left (only when no run is writing ``root``)."""
+    for name in partial_saves(root):
+        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def latest_complete(root: str) -> str | None:
+    """The step directory the tracker names, when it is there, else None."""
+    try:
+        with open(os.path.join(root, TRACKER), "rb") as f:
+            text = f.read(64).decode("ascii", errors="replace").strip()
+    except OSError:
+        return None
+    path = iteration_dir(root, int(text)) if text.isdigit() else None
+    return path if path and os.path.isdir(path) else None

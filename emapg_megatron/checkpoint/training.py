@@ -32,7 +32,11 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 
 from emapg_megatron import mcore_compat
 from emapg_megatron.checkpoint.files import atomic_write_text, fsync_dir, replace_dir
-from emapg_megatron.checkpoint.paths import TRACKER, iteration_dir  # noqa: F401  (re-exported)
+from emapg_megatron.checkpoint.paths import (  # noqa: F401  (re-exported)
+    TRACKER,
+    iteration_dir,
+    partial_saves,
+)
 from emapg_megatron.checkpoint.safe_load import (
     COMMON,
     shown,
@@ -116,7 +120,10 @@ def _install(root: str, tmp: str, final: str, iteration: int) -> None:
 def latest_iteration(root: str) -> int:
     path = os.path.join(root, TRACKER)
     if not os.path.isfile(path):
-        raise ConfigError(f"--load {root}: no {TRACKER} (not a checkpoint directory)")
+        partial = partial_saves(root) if os.path.isdir(root) else []
+        why = (f"no complete checkpoint, only {', '.join(partial)} (a save that was interrupted); start "
+               "without --load, with --overwrite to clear the folder" if partial else "not a checkpoint directory")
+        raise ConfigError(f"--load {root}: no {TRACKER} ({why})")
     with open(path, "rb") as f:
         raw = f.read(64)
     text = raw.decode("utf-8", errors="replace").strip()

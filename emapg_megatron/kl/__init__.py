@@ -25,10 +25,20 @@ log-probs at q and y, anchor log-probs at q and y, the ``y in q`` mask and the i
 those gathered quantities and reuses the per-token maths unchanged. See ``docs/kl_estimators.md``.
 """
 
-from ._common import check_unique_indices, importance_weight, token_in_topk
-from .divergences import ALL_DIVERGENCES, ALPHA_RANGE, F_DIVERGENCES, divergence_terms
-from .exact import KL_DIRECTIONS, exact_kl, kl_terms
-from .fdiv import fdiv_exact, sampled_fdiv, topk_fdiv, topk_fdiv_from_gathered
+import importlib
+
+# The names and the loss-type table need no torch (the command line reads them); the maths is
+# loaded on first use of one of its names.
+from .catalog import (
+    ALL_DIVERGENCES,
+    ALPHA_RANGE,
+    F_DIVERGENCES,
+    KL_DIRECTIONS,
+    SAMPLED_ESTIMATOR_DIRECTION,
+    SAMPLED_ESTIMATORS,
+    SAMPLED_TAILS,
+    TOPK_TAILS,
+)
 from .registry import (
     LOSS_TYPE_NAMES,
     LOSS_TYPES,
@@ -40,16 +50,24 @@ from .registry import (
     topk_fdiv_type,
     uses_topk,
 )
-from .sampled import SAMPLED_ESTIMATOR_DIRECTION, SAMPLED_ESTIMATORS, sampled_kl
-from .sequence import sequence_kl, sequence_kl_loss, sequence_kl_penalized_reward
-from .topk import (
-    PAPER_K5_LOG_W_CLAMP,
-    SAMPLED_TAILS,
-    TOPK_TAILS,
-    has_sampled_term,
-    topk_kl,
-    topk_kl_from_gathered,
-)
+
+_LAZY = {
+    "check_unique_indices": "_common", "importance_weight": "_common", "token_in_topk": "_common",
+    "divergence_terms": "divergences",
+    "exact_kl": "exact", "kl_terms": "exact",
+    "fdiv_exact": "fdiv", "sampled_fdiv": "fdiv", "topk_fdiv": "fdiv", "topk_fdiv_from_gathered": "fdiv",
+    "sampled_kl": "sampled",
+    "sequence_kl": "sequence", "sequence_kl_loss": "sequence", "sequence_kl_penalized_reward": "sequence",
+    "PAPER_K5_LOG_W_CLAMP": "topk", "has_sampled_term": "topk", "topk_kl": "topk",
+    "topk_kl_from_gathered": "topk",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     # the --kl-loss-type registry

@@ -6,9 +6,11 @@ can call these helpers on the gathered per-token quantities unchanged.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple
+from typing import Optional, Tuple
 
 import torch
+
+from .catalog import check_name as _check_name  # noqa: F401  (the estimators' name check)
 
 __all__ = [
     "IWClip",
@@ -145,8 +147,3 @@ def log_renormalize(logprob_q: torch.Tensor) -> torch.Tensor:
     log_mass = torch.logsumexp(torch.where(empty, zero, logprob_q), dim=-1, keepdim=True)
     return logprob_q - torch.where(empty, zero, log_mass)
 
-
-def _check_name(name: str, valid: Sequence[str], what: str) -> str:
-    if name not in valid:
-        raise ValueError(f"unknown {what} {name!r}; expected one of {tuple(valid)}")
-    return name

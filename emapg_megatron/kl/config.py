@@ -7,8 +7,10 @@ from dataclasses import dataclass
 
 from emapg_megatron.configurable import ANY_NUMBER, at_least, check_fields, option
 from emapg_megatron.errors import ConfigError
+from emapg_megatron.kl.catalog import TOPK_TAILS
+
+TOPK_SOURCES = ("auto", "policy", "anchor")
 from emapg_megatron.kl.registry import LOSS_TYPE_NAMES, SAMPLED, loss_type, uses_topk
-from emapg_megatron.kl.topk import TOPK_TAILS
 
 
 @dataclass
@@ -32,6 +34,12 @@ class KLConfig:
                                                  range=at_least(0))
     """Clip the importance weight pi/pi_sampling of the sampled KL terms: the Top-k estimators'
     tail (no effect with --kl-tail none, truncate or renorm) and the sampled k1..k5 estimators."""
+    topk_source: str = option("auto", flag="--kl-topk-source", choices=TOPK_SOURCES)
+    """Whose top-k ids form the Top-k estimators' set q: auto follows the loss type (reverse-type:
+    the policy's, i.e. pi_old, the student's with a teacher; forward-type: the anchor's, the EMA's or
+    the teacher's; Algorithms 1 and 2); policy or anchor forces one (NeMo-RL's distillation takes the
+    teacher's top-k for every KL direction: anchor). Any q fixed before the update keeps the
+    unbiased tail unbiased; the choice moves variance (docs/kl_estimators.md)."""
     reference_clamps: bool = option(False, flag="--kl-reference-clamps")
     """Apply the paper's reference code's numerical clamps (biased where they bind; off: the exact
     formulas): log(pi/pi_sampling) to [-20, 20] before the importance weight's exp, log w to
@@ -62,9 +70,11 @@ class KLConfig:
 
     @property
     def q_source(self) -> str | None:
-        """Which pass takes the top-k ids: "old" (pi_old), "anchor" (pi_ema), or None."""
+        """Which pass takes the top-k ids: "old" (pi_old), "anchor" (pi_ema or the teacher), or None."""
         if not uses_topk(self.loss_type, self.k):
             return None
+        if self.topk_source != "auto":
+            return {"policy": "old", "anchor": "anchor"}[self.topk_source]
         return loss_type(self.loss_type).q_source(self.alpha)
 
     @property

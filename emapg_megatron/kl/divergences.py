@@ -24,7 +24,15 @@ from typing import Optional, Tuple
 
 import torch
 
-from ._common import LogWRange, _check_name
+from ._common import LogWRange
+from .catalog import (  # noqa: F401  (re-exported)
+    ALL_DIVERGENCES,
+    ALPHA_RANGE,
+    F_DIVERGENCES,
+    check_divergence,
+    f_at_zero,
+    g_at_zero,
+)
 
 __all__ = [
     "F_DIVERGENCES",
@@ -39,18 +47,6 @@ __all__ = [
     "growth_rates",
     "log_w_range",
 ]
-
-#: Table 5 f-divergences (besides the two KLs), valid values for ``divergence=``.
-F_DIVERGENCES = (
-    "pearson_chi2",
-    "neyman_chi2",
-    "squared_hellinger",
-    "jensen_shannon",
-    "total_variation",
-    "alpha",
-)
-#: Everything ``divergence_terms`` / ``topk_fdiv`` understand (the KLs via their f-generators).
-ALL_DIVERGENCES = F_DIVERGENCES + ("reverse_kl", "forward_kl")
 
 _LOG2 = math.log(2.0)
 
@@ -72,22 +68,6 @@ class _Expm1(torch.autograd.Function):
 
 
 _expm1 = _Expm1.apply
-
-
-#: The valid alpha of the alpha-divergence, in words (for error messages and docs).
-ALPHA_RANGE = "any finite real except 0 and 1 (its limits there are the forward and the reverse KL)"
-
-
-def check_divergence(name: str, alpha: Optional[float]) -> None:
-    """Raise ``ValueError`` unless ``name`` is known and ``alpha`` is given exactly when it is used."""
-    _check_name(name, ALL_DIVERGENCES, "divergence")
-    if name == "alpha":
-        if alpha is None:
-            raise ValueError(f"divergence='alpha' needs alpha=: {ALPHA_RANGE}")
-        if not math.isfinite(alpha) or alpha in (0.0, 1.0):
-            raise ValueError(f"alpha-divergence got alpha={alpha!r}; it needs {ALPHA_RANGE}")
-    elif alpha is not None:
-        raise ValueError(f"alpha= is only used by divergence='alpha', not {name!r}")
 
 
 def f_of_log_t(name: str, lt: torch.Tensor, alpha: Optional[float] = None) -> torch.Tensor:
@@ -133,38 +113,6 @@ def g_of_log_w(name: str, lw: torch.Tensor, alpha: Optional[float] = None) -> to
         a = float(alpha)
         return (_expm1((1.0 - a) * lw) + (a - 1.0) * _expm1(lw)) / (a * (a - 1.0))
     raise ValueError(f"unknown divergence {name!r}")
-
-
-def f_at_zero(name: str, alpha: Optional[float] = None) -> float:
-    """lim_{t->0+} f(t): the contribution per unit Q of an index the policy gives zero mass."""
-    table = {
-        "reverse_kl": 0.0,
-        "forward_kl": math.inf,
-        "pearson_chi2": 1.0,
-        "neyman_chi2": math.inf,
-        "squared_hellinger": 0.5,
-        "jensen_shannon": 0.5 * _LOG2,
-        "total_variation": 0.5,
-    }
-    if name == "alpha":
-        return 1.0 / alpha if alpha > 0 else math.inf
-    return table[name]
-
-
-def g_at_zero(name: str, alpha: Optional[float] = None) -> float:
-    """lim_{w->0+} g_f(w): the contribution per unit P of an index the anchor gives zero mass."""
-    table = {
-        "reverse_kl": math.inf,
-        "forward_kl": 0.0,
-        "pearson_chi2": math.inf,
-        "neyman_chi2": 1.0,
-        "squared_hellinger": 0.5,
-        "jensen_shannon": 0.5 * _LOG2,
-        "total_variation": 0.5,
-    }
-    if name == "alpha":
-        return 1.0 / (1.0 - alpha) if alpha < 1 else math.inf
-    return table[name]
 
 
 def growth_rates(name: str, alpha: Optional[float] = None) -> Tuple[float, float]:

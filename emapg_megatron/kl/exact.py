@@ -12,12 +12,11 @@ from __future__ import annotations
 import torch
 
 from ._common import _check_name, compute_dtype, upcast
+from .catalog import KL_DIRECTIONS
 from .divergences import divergence_terms
 
 __all__ = ["KL_DIRECTIONS", "KL_GENERATOR", "exact_kl", "kl_terms"]
 
-#: Valid ``direction`` values.
-KL_DIRECTIONS = ("reverse", "forward")
 
 #: Each direction's f-divergence generator name (:mod:`.divergences`).
 KL_GENERATOR = {"reverse": "reverse_kl", "forward": "forward_kl"}

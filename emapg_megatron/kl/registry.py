@@ -45,23 +45,23 @@ direction and q depend on its parameter: "reverse" (q from pi_old) iff alpha > 1
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Callable, Mapping, Optional
 
-from ._common import _check_name
-from .divergences import (
+from .catalog import (
     ALL_DIVERGENCES,
     ALPHA_RANGE,
     F_DIVERGENCES,
+    KL_DIRECTIONS,
+    SAMPLED_ESTIMATOR_DIRECTION,
+    SAMPLED_ESTIMATORS,
     check_divergence,
+    check_name,
     f_at_zero,
     g_at_zero,
 )
-from .exact import KL_DIRECTIONS
-from .fdiv import topk_fdiv_from_gathered
-from .sampled import SAMPLED_ESTIMATOR_DIRECTION, SAMPLED_ESTIMATORS, sampled_kl
-from .topk import topk_kl_from_gathered
 
 __all__ = [
     "SAMPLED",
@@ -93,10 +93,8 @@ class KLLossType:
     """``"sampled"`` (Table 1; needs only log pi(y)), ``"topk-kl"`` (Algorithms 1/2) or
     ``"topk-fdiv"`` (Appendix H.3): the exact term on q plus a masked sampled tail."""
 
-    estimator: Callable
-    """The per-token function of :mod:`emapg_megatron.kl` that computes it: ``sampled_kl``
-    (on log-probs), ``topk_kl_from_gathered`` or ``topk_fdiv_from_gathered`` (on log-probs
-    gathered at q and y). Call it with ``**kwargs(alpha)``."""
+    estimator_name: str
+    """The per-token function of :mod:`emapg_megatron.kl` that computes it (:attr:`estimator`)."""
 
     selector: str
     """The value that picks this loss type inside ``estimator``: the sampled estimator
@@ -106,6 +104,13 @@ class KLLossType:
     needs_alpha: bool
     """Whether it takes ``alpha`` (only ``topk-alpha``): then alpha is required, otherwise it
     must be ``None``. Valid alpha: any finite real except 0 and 1."""
+
+    @property
+    def estimator(self) -> Callable:
+        """The function itself: ``sampled_kl`` (on log-probs), ``topk_kl_from_gathered`` or
+        ``topk_fdiv_from_gathered`` (on log-probs gathered at q and y). Call it with
+        ``**kwargs(alpha)``. Imported on first use: the table itself needs no torch."""
+        return getattr(importlib.import_module(__package__), self.estimator_name)
 
     def check_alpha(self, alpha: Optional[float]) -> None:
         """``ValueError`` unless ``alpha`` is given (and valid) exactly when it is needed."""
@@ -145,11 +150,11 @@ class KLLossType:
 
 
 def _sampled_type(estimator: str) -> KLLossType:
-    return KLLossType(estimator, SAMPLED, sampled_kl, estimator, needs_alpha=False)
+    return KLLossType(estimator, SAMPLED, "sampled_kl", estimator, needs_alpha=False)
 
 
 def _topk_kl_type(direction: str) -> KLLossType:
-    return KLLossType(f"topk-{direction}", TOPK_KL, topk_kl_from_gathered, direction, needs_alpha=False)
+    return KLLossType(f"topk-{direction}", TOPK_KL, "topk_kl_from_gathered", direction, needs_alpha=False)
 
 
 def topk_fdiv_type(divergence: str) -> KLLossType:
@@ -159,8 +164,8 @@ def topk_fdiv_type(divergence: str) -> KLLossType:
     ``forward_kl``) it is unbiased too, but ``topk-reverse`` / ``topk-forward`` are the same
     divergences with the lower-variance K4/K5 tails.
     """
-    _check_name(divergence, ALL_DIVERGENCES, "divergence")
-    return KLLossType(f"topk-{divergence}", TOPK_FDIV, topk_fdiv_from_gathered, divergence,
+    check_name(divergence, ALL_DIVERGENCES, "divergence")
+    return KLLossType(f"topk-{divergence}", TOPK_FDIV, "topk_fdiv_from_gathered", divergence,
                       needs_alpha=divergence == "alpha")
 
 
@@ -180,7 +185,7 @@ LOSS_TYPE_NAMES = tuple(LOSS_TYPES)
 
 def loss_type(name: str) -> KLLossType:
     """The table entry for ``name``; ``ValueError`` listing the valid names otherwise."""
-    _check_name(name, LOSS_TYPE_NAMES, "KL kind")
+    check_name(name, LOSS_TYPE_NAMES, "KL kind")
     return LOSS_TYPES[name]
 
 

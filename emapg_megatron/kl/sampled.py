@@ -46,6 +46,7 @@ from ._common import (
     sg,
     upcast,
 )
+from .catalog import SAMPLED_ESTIMATOR_DIRECTION, SAMPLED_ESTIMATORS
 
 __all__ = [
     "REFERENCE_CLAMPS",
@@ -55,8 +56,6 @@ __all__ = [
     "sampled_kl_unweighted",
 ]
 
-#: Valid ``estimator`` names, in Table 1 order.
-SAMPLED_ESTIMATORS = ("k1", "k2", "k3", "k3++", "k4", "k5")
 
 #: The reference code's clamps of its sampled estimators, ``(log w, value)``: K1, K2, K4 have none.
 REFERENCE_CLAMPS = {
@@ -64,18 +63,6 @@ REFERENCE_CLAMPS = {
     "k3++": (REFERENCE_LOG_CLAMP, (-10.0, 10.0)),
     "k5": (REFERENCE_LOG_CLAMP, NO_CLAMP),
 }
-
-#: The KL direction whose *value* each estimator targets in expectation (``k2`` targets none exactly;
-#: its gradient is the reverse-KL gradient, so it is listed as reverse).
-SAMPLED_ESTIMATOR_DIRECTION = {
-    "k1": "reverse",
-    "k2": "reverse",
-    "k3": "reverse",
-    "k3++": "reverse",
-    "k4": "reverse",
-    "k5": "forward",
-}
-
 
 def sampled_kl_unweighted(
     logprob: torch.Tensor,
@@ -105,8 +92,10 @@ def sampled_kl_unweighted(
     if estimator == "k4":
         return r * sg(-log_w)
     if estimator == "k5":
-        # log r = lp - sg(lp): value 0, gradient grad log pi(y); it is the baseline of §F.4.
-        return sg(torch.exp(log_w)) * log_w + (lp - sg(lp))
+        # log r = lp - sg(lp): value 0, gradient grad log pi(y); it is the baseline of §F.4. Where the
+        # reference gives y no mass (w = 0, a -inf logit: a teacher's) w log w is 0, not 0 * -inf.
+        w_log_w = torch.where(torch.isneginf(log_w), torch.zeros_like(log_w), sg(torch.exp(log_w)) * log_w)
+        return w_log_w + (lp - sg(lp))
     raise ValueError(f"unknown estimator {estimator!r}; expected one of {SAMPLED_ESTIMATORS}")
 
 

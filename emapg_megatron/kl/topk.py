@@ -102,6 +102,7 @@ from ._common import (
     token_in_topk,
     upcast,
 )
+from .catalog import SAMPLED_TAILS, TOPK_TAILS
 from .divergences import log_w_range
 from .exact import KL_DIRECTIONS, KL_GENERATOR, kl_terms
 from .sampled import sampled_kl_unweighted
@@ -116,11 +117,6 @@ __all__ = [
     "topk_kl_from_gathered",
 ]
 
-#: Valid ``tail`` values: the corrected estimator, Algorithms 1/2 as the reference code runs them,
-#: truncated KL (``"none"`` and its other name ``"truncate"``), the KL renormalised over q.
-TOPK_TAILS = ("unbiased", "paper", "none", "truncate", "renorm")
-#: The tails that add the sampled term on y not in q; the others are deterministic given q.
-SAMPLED_TAILS = ("unbiased", "paper")
 
 #: The reference code clamps log w to [-20, 20] in its K5 ("numerical stability"), both in the
 #: Top-k forward tail and in its sampled ``k5``; ``tail="paper"`` reproduces it.

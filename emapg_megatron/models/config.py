@@ -6,8 +6,7 @@ layers compute (:class:`PrecisionConfig`) and the model as the command line desc
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
-
-import torch
+from typing import TYPE_CHECKING
 
 from emapg_megatron.configurable import (
     above,
@@ -16,6 +15,9 @@ from emapg_megatron.configurable import (
     option,
 )
 from emapg_megatron.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 SYNTHETIC_VOCAB = 13
 """Token ids of the built-in synthetic task's tokenizer (tasks.synthetic.CharTokenizer)."""
@@ -119,6 +121,8 @@ class PrecisionConfig:
     """FP8 scaling recipe."""
 
     def params_dtype(self) -> torch.dtype:
+        import torch  # the config itself stays light: the CLI checks it before torch loads
+
         return torch.bfloat16 if self.bf16 else torch.float32
 
     def validate(self) -> None:

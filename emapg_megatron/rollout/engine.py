@@ -7,7 +7,6 @@ temperature and top-p), which the KL estimators need for their importance weight
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
@@ -82,15 +81,6 @@ class ContinuingEngine(RolloutEngine, Protocol):
 
     def idle_stats(self) -> Any:
         """The ``.stats`` of a step that continued nothing (zero counts)."""
-
-
-def warn_if_truncated_sampling(top_p: float, top_k: int = 0) -> None:
-    if top_p < 1.0 or top_k > 0:
-        warnings.warn(
-            "top_p < 1 / top_k sampling: tokens do not come from pi, so the KL estimators rely "
-            "on the importance weight with the truncated distribution's log-prob (recorded)",
-            stacklevel=2,
-        )
 
 
 def build_rollout_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],

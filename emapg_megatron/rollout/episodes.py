@@ -18,7 +18,6 @@ import torch.distributed as dist
 from emapg_megatron.rollout.engine import (
     RolloutBatch,
     build_rollout_batch,
-    warn_if_truncated_sampling,
 )
 from emapg_megatron.tasks.base import encode_text
 
@@ -156,7 +155,6 @@ def pack_episodes(episodes: Sequence[Episode], n: int, seq_length: int, pad_id: 
 def start_episodes(prompts: Sequence[Sequence[int]], n: int, envs: Sequence[Any], *, tokenizer,
                    top_p: float, seq_length: int) -> list[Episode]:
     """One :class:`Episode` per environment (prompt-major, ``n`` per prompt)."""
-    warn_if_truncated_sampling(top_p)
     if any(len(p) == 0 for p in prompts):
         raise ValueError("an empty prompt: every sequence needs at least one token to continue")
     if len(envs) != len(prompts) * n:

@@ -29,7 +29,6 @@ from emapg_megatron.rollout.decoders import DecodeStats, Sampling, decode_path
 from emapg_megatron.rollout.engine import (
     RolloutBatch,
     build_rollout_batch,
-    warn_if_truncated_sampling,
 )
 from emapg_megatron.rollout.episodes import Turn, answer, pack_episodes, start_episodes
 from emapg_megatron.rollout.sampling import sample_from_logits
@@ -140,7 +139,6 @@ class MegatronSampler:
                  seq_index: Sequence[int] | None = None) -> RolloutBatch:
         """``n`` samples of each prompt (prompt-major); ``seq_index``: each sequence's index in the
         global batch (keys its randomness). The batch's ``stats`` say what decoding cost."""
-        warn_if_truncated_sampling(top_p)
         S = len(prompts) * n
         rows = list(seq_index) if seq_index is not None else list(range(S))
         turns, stats = self.decode_turns([prompts[s // n] for s in range(S)], [max_new_tokens] * S, rows,
@@ -180,7 +178,6 @@ class MegatronSampler:
         A sequence's token t always takes uniform t of its key, so continuing it under unchanged
         weights samples what one uninterrupted generate of it would.
         """
-        warn_if_truncated_sampling(top_p)
         if self.decoder.name == "recompute":
             raise ValueError("partial rollouts continue sequences through the KV-cached paths only")
         self._check_room([list(q.prompt) for q in seqs], [max_new_tokens] * len(seqs))

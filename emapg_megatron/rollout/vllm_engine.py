@@ -53,7 +53,6 @@ from emapg_megatron.rollout.config import VLLMConfig
 from emapg_megatron.rollout.engine import (
     RolloutBatch,
     build_rollout_batch,
-    warn_if_truncated_sampling,
 )
 from emapg_megatron.rollout.episodes import Episode, Turn, run_episodes
 from emapg_megatron.tasks.base import encode_text
@@ -264,7 +263,6 @@ class VLLMEngine:
                  seq_index: Sequence[int] | None = None) -> RolloutBatch:
         """``n`` samples per prompt, prompt-major. ``seq_index`` is each sequence's index in the
         global batch (as for the Megatron sampler); it keys the per-prompt seeds."""
-        warn_if_truncated_sampling(top_p)
         longest = max((len(p) for p in prompts), default=0)
         if longest + max_new_tokens > self.seq_length:
             raise ValueError(f"prompt ({longest}) + --max-new-tokens ({max_new_tokens}) "

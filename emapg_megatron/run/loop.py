@@ -7,10 +7,10 @@ save and how to resume. A step gives its metrics and samples as a record (``trai
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
-import sys
 import time
 from dataclasses import dataclass, field
 
@@ -61,8 +61,23 @@ def save(state, root: str, iteration: int, record: RunRecord | None = None) -> N
     checkpointing.check_finite_before_save(state.model_chunks, state.anchor, iteration)
     common = {"iteration": iteration, **state.common_state_dict(),
               "args": json.dumps(record.flags, default=str)}
-    path = checkpointing.save(root, iteration, state.sharded_state_dict(), common, record.files())
+    with stop_signals_held():
+        path = checkpointing.save(root, iteration, state.sharded_state_dict(), common, record.files())
     log0(f"saved checkpoint {path}")
+
+
+@contextlib.contextmanager
+def stop_signals_held():
+    """SIGINT and SIGTERM held back (blocked, not lost) for the block: torchrun sends a stop signal
+    to each rank's whole process group, and the writer and results-manager processes Megatron
+    starts during a save inherit the blocked mask, so they finish the save instead of dying with
+    it; the rank takes the signal (:class:`StopFlag`) when the save is done."""
+    held = {signal.SIGINT, signal.SIGTERM}
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 def changed_trajectory_flags(saved: dict, flags: dict, trajectory: tuple[str, ...]) -> list[str]:
@@ -96,23 +111,28 @@ class StopFlag:
     Nothing here waits for a dead peer: collectives time out (--distributed-timeout-minutes). A
     signal again more than :attr:`REPEAT_S` after the first exits at once, without a checkpoint;
     one sooner is the same request delivered twice (Ctrl-C reaches a worker from the terminal and
-    again from torchrun).
+    again from torchrun). Global rank 0 says each at once, in one line for the run, unless
+    ``emapg-train`` started the ranks: it says them itself (it knows the signal the user sent).
     """
 
     REPEAT_S = 5.0
 
-    def __init__(self):
+    def __init__(self, save: str | None = None):
         self.requested_at: float | None = None
+        self.step = 0  # the step in progress, set by the loop
+        self.save = save
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame):
-        now = time.monotonic()
+        now, name = time.monotonic(), signal.Signals(signum).name
         if self.requested_at is None:
             self.requested_at = now
+            then = f", then saving a checkpoint in {self.save}" if self.save else " (no --save: nothing is saved)"
+            _say(f"{name} received: finishing step {self.step}{then} and stopping; {name} again, "
+                 f"{self.REPEAT_S:g} s or more later, stops at once without {'it' if self.save else 'waiting'}")
         elif now - self.requested_at > self.REPEAT_S:
-            print(f"error: stopped by a second {signal.Signals(signum).name} without a checkpoint",
-                  file=sys.stderr, flush=True)
+            _say(f"error: stopped at once by a second {name}, without a checkpoint of step {self.step}")
             runtime.end_child_processes()
             os._exit(1)
 
@@ -120,6 +140,17 @@ class StopFlag:
     def requested(self) -> bool:
         """Whether this rank got the signal (the ranks agree on it after each step)."""
         return self.requested_at is not None
+
+
+#: Set by emapg-train for the ranks it starts: it says what a signal does, for the whole run.
+LAUNCHED_ENV = "EMAPG_LAUNCHED"
+
+
+def _say(line: str) -> None:
+    """One line for the run from a signal handler: global rank 0's, unbuffered (the handler may
+    interrupt a print), none under emapg-train (which says it)."""
+    if os.environ.get("RANK", "0") == "0" and not os.environ.get(LAUNCHED_ENV):
+        os.write(2, (line + "\n").encode())
 
 
 def _raise(error: Exception):
@@ -140,9 +171,10 @@ def run_steps(loop: LoopConfig, ckpt: CheckpointConfig, trainer, logger, start: 
     """Steps ``start + 1 ..`` --train-iters, a checkpoint (with ``record``) on the interval, at the
     end and on a signal; ``evaluate(step)`` adds its metrics (held-out Pass@k) to a step's.
     Returns the last step run."""
-    stop = StopFlag()
-    iteration, zero_variance = start, False
+    stop = StopFlag(ckpt.save)
+    iteration, said_zero_variance = start, False
     for iteration in range(start + 1, loop.train_iters + 1):
+        stop.step = iteration
         result = trainer.step(iteration)
         metrics = result.metrics
         if evaluate is not None:
@@ -150,11 +182,10 @@ def run_steps(loop: LoopConfig, ckpt: CheckpointConfig, trainer, logger, start: 
         logger.log(iteration, metrics)
         if log is not None and log.dumps_rollouts(iteration):
             logger.dump_rollouts(iteration, gathered_samples(result.samples))
-        if metrics.get("zero_std_group_frac") == 1.0 and not zero_variance:
-            logger.warn(f"step {iteration}: every prompt's samples got the same reward, so every advantage "
-                        "is 0 and the step learns only from the KL and entropy terms (the task is too hard "
-                        "or too easy for the policy; more --num-samples-per-prompt or another data mix)")
-        zero_variance = metrics.get("zero_std_group_frac") == 1.0
+        if metrics.get("zero_std_group_frac") == 1.0 and not said_zero_variance:  # once a run
+            logger.warn(f"step {iteration}: every prompt's samples got one reward: no advantage, only the "
+                        "KL and entropy terms train (zero_std_group_frac, logged each step, says how often)")
+            said_zero_variance = True
         if trainer.state.skipped_steps > loop.max_skipped_steps:
             raise agreed(SkippedStepsError(
                 f"stopping: {trainer.state.skipped_steps} steps skipped for non-finite loss or gradients "

@@ -163,13 +163,30 @@ def read_jsonl(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def plot_curves(jsonl_path: str, png_path: str, keys=PLOT_KEYS) -> str | None:
-    """``png_path``, or None when nothing was logged yet (a run stopped before its first step)."""
+#: What each plotted metric is, for its y axis.
+AXIS_LABELS = {"reward_mean": "mean reward", "kl": "KL to the anchor (per token)", "entropy": "entropy (nats)",
+               "ema_lag": "|θ - θ_ema| / |θ|", "clip_frac": "clipped share of tokens",
+               "response_len": "tokens", "pg_loss": "policy-gradient loss"}
+
+
+def plot_curves(jsonl_path: str, png_path: str, keys=PLOT_KEYS, title: str | None = None) -> str | None:
+    """``png_path``, or None when nothing was logged yet (a run stopped before its first step).
+    ``title``: the run's (default: the log folder's name)."""
     records = read_jsonl(jsonl_path)
+    run = title or os.path.basename(os.path.dirname(os.path.abspath(jsonl_path)))
+    fig = curves_figure(records, keys, run)
+    if fig is None:
+        return None
+    fig.savefig(png_path, dpi=110)
+    return png_path
+
+
+def curves_figure(records: list[dict], keys, run: str) -> Figure | None:
+    """One panel per logged metric of ``keys`` against the step, titled with the run's name."""
     keys = [k for k in keys if any(k in r for r in records)]
     if not keys:
         return None
-    fig = Figure(figsize=(3.2 * len(keys), 2.8))  # no pyplot: no global figure state, no GUI backend
+    fig = Figure(figsize=(3.2 * len(keys), 3.0))  # no pyplot: no global figure state, no GUI backend
     FigureCanvasAgg(fig)
     for i, key in enumerate(keys):
         ax = fig.add_subplot(1, len(keys), i + 1)
@@ -177,7 +194,8 @@ def plot_curves(jsonl_path: str, png_path: str, keys=PLOT_KEYS) -> str | None:
         ax.plot([p[0] for p in pts], [p[1] for p in pts], lw=1.2)
         ax.set_title(key)
         ax.set_xlabel("step")
+        ax.set_ylabel(AXIS_LABELS.get(key, key))
         ax.grid(alpha=0.3)
+    fig.suptitle(f"{run}: {len(records)} steps", fontsize=10)
     fig.tight_layout()
-    fig.savefig(png_path, dpi=110)
-    return png_path
+    return fig

@@ -61,6 +61,8 @@ class ParallelConfig:
             raise ConfigError("--device cuda requested but no GPU is visible")
         if world_size % (tp * pp) != 0:
             raise ConfigError(f"world size {world_size} is not TP x PP x DP: TP={tp} x PP={pp} "
-                              "does not divide it")
+                              f"does not divide it (start a multiple of {tp * pp} ranks, e.g. emapg-train "
+                              f"--nproc-per-node {tp * pp} ..., or set --tensor-model-parallel-size and "
+                              f"--pipeline-model-parallel-size for {world_size})")
         if self.sequence_parallel and tp < 2:
             raise ConfigError("--sequence-parallel needs --tensor-model-parallel-size >= 2")

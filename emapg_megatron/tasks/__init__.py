@@ -16,21 +16,22 @@ Heavy modules (``math``, ``search``, ``retriever``) are imported on first use.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict
+import importlib
+from typing import TYPE_CHECKING, Any, Callable, Dict
 
-from .base import (
-    ROLE_MODEL,
-    ROLE_OBSERVATION,
-    ROLE_PROMPT,
-    Environment,
-    Segment,
-    StepResult,
-    Task,
-    TokenizerLike,
-    build_token_ids_and_mask,
-    encode_text,
-    render_prompt,
-)
+if TYPE_CHECKING:
+    from .base import Task
+
+# ``base`` reads data files (``datasets``): loaded on first use, so the configs stay light.
+_BASE_NAMES = ("ROLE_MODEL", "ROLE_OBSERVATION", "ROLE_PROMPT", "Environment", "Segment", "StepResult",
+               "Task", "TokenizerLike", "build_token_ids_and_mask", "encode_text", "render_prompt")
+
+
+def __getattr__(name: str):
+    if name in _BASE_NAMES:
+        return getattr(importlib.import_module(f"{__name__}.base"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "Task",
@@ -50,22 +51,22 @@ __all__ = [
 ]
 
 
-def _math(**kw: Any) -> Task:
+def _math(**kw: Any) -> "Task":
     from .math import MathTask
 
     return MathTask(**kw)
 
 
-def _search(**kw: Any) -> Task:
+def _search(**kw: Any) -> "Task":
     from .search import SearchTask
 
     return SearchTask(**kw)
 
 
-_REGISTRY: Dict[str, Callable[..., Task]] = {"math": _math, "search": _search}
+_REGISTRY: Dict[str, Callable[..., "Task"]] = {"math": _math, "search": _search}
 
 
-def register_task(name: str, factory: Callable[..., Task]) -> None:
+def register_task(name: str, factory: Callable[..., "Task"]) -> None:
     """Make ``get_task(name, **kw)`` call ``factory(**kw)``."""
     _REGISTRY[name] = factory
 
@@ -74,7 +75,7 @@ def available_tasks() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def get_task(name: str, **kwargs: Any) -> Task:
+def get_task(name: str, **kwargs: Any) -> "Task":
     """Build a task by name (``math``, ``search``, or a registered one): ``config=`` its config,
     and/or overrides of the config's fields."""
     try:

@@ -51,6 +51,9 @@ class MathConfig(PromptConfig):
 
     format_bonus: float = option(0.0, flag="--math-format-bonus", range=ANY_NUMBER)
     """math: reward bonus for a boxed answer."""
+    last_number_fallback: bool = option(False, flag="--math-last-number-fallback")
+    """math: without a \\boxed{} answer, grade the last number in the response (off: such a
+    response scores 0; a policy can learn to end any text with likely numbers)."""
     instruction: str = MATH_INSTRUCTION
     """Appended to the question."""
     plain_template: str = "{content}\n"

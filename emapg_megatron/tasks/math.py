@@ -3,7 +3,8 @@
 Reward pipeline for one response:
 
 1. **Extract** the final answer (:func:`~.math_answers.extract_answer`: the last complete
-   ``\\boxed{...}``, else the last number; with ``think_end_tag``, only after that tag).
+   ``\\boxed{...}``, else the last number only with ``last_number_fallback``; with
+   ``think_end_tag``, only after that tag).
 2. **Fast path** (:func:`~.math_answers.fast_check`, in process, no worker): plain strings and
    rationals.
 3. Otherwise **math-verify** (``parse`` + ``verify``) decides, in a worker process of a
@@ -64,14 +65,14 @@ MAX_ANSWER_CHARS = 4000
 
 
 # --- the reward ----------------------------------------------------------------------------------
-def _prepare(response: Any, ground_truth: GroundTruth, think_end_tag: Optional[str]):
+def _prepare(response: Any, ground_truth: GroundTruth, think_end_tag: Optional[str], last_number_fallback: bool):
     """(decided result or None, job or None)."""
     if not isinstance(response, str):
         return False, None
     golds = gold_answers(ground_truth)
     if not golds:
         return False, None
-    ans = extract_answer(response, think_end_tag)
+    ans = extract_answer(response, think_end_tag, last_number_fallback)
     if not ans or len(ans) > MAX_ANSWER_CHARS:
         return False, None
     fast = fast_check(golds, ans)
@@ -87,6 +88,7 @@ def correct_many(
     think_end_tag: Optional[str] = None,
     timeout: Optional[float] = None,
     pool: Optional[MathVerifierPool] = None,
+    last_number_fallback: bool = False,
 ) -> list[bool]:
     """Correctness of each response. The checks the fast path leaves to math-verify run in
     parallel over ``pool``; without one, over a pool started for them and closed after."""
@@ -98,7 +100,7 @@ def correct_many(
     jobs: list[tuple[list[str], str]] = []
     for i, (resp, gt) in enumerate(zip(responses, ground_truths)):
         try:
-            decided, job = _prepare(resp, gt, think_end_tag)
+            decided, job = _prepare(resp, gt, think_end_tag, last_number_fallback)
         except Exception:  # extraction must never take the run down
             decided, job = False, None
         if job is None:
@@ -131,8 +133,10 @@ def is_correct(
     think_end_tag: Optional[str] = None,
     timeout: Optional[float] = None,
     pool: Optional[MathVerifierPool] = None,
+    last_number_fallback: bool = False,
 ) -> bool:
-    return correct_many([response], [ground_truth], think_end_tag=think_end_tag, timeout=timeout, pool=pool)[0]
+    return correct_many([response], [ground_truth], think_end_tag=think_end_tag, timeout=timeout, pool=pool,
+                        last_number_fallback=last_number_fallback)[0]
 
 
 def rewards(
@@ -143,9 +147,11 @@ def rewards(
     think_end_tag: Optional[str] = None,
     timeout: Optional[float] = None,
     pool: Optional[MathVerifierPool] = None,
+    last_number_fallback: bool = False,
 ) -> list[float]:
     """Batch version of :func:`reward` (parallel over the worker pool)."""
-    ok = correct_many(responses, ground_truths, think_end_tag=think_end_tag, timeout=timeout, pool=pool)
+    ok = correct_many(responses, ground_truths, think_end_tag=think_end_tag, timeout=timeout, pool=pool,
+                      last_number_fallback=last_number_fallback)
     out = []
     for resp, c in zip(responses, ok):
         r = 1.0 if c else 0.0
@@ -167,6 +173,7 @@ def reward(
     think_end_tag: Optional[str] = None,
     timeout: Optional[float] = None,
     pool: Optional[MathVerifierPool] = None,
+    last_number_fallback: bool = False,
 ) -> float:
     """1.0 if the final answer of ``response`` is equivalent to ``ground_truth`` else 0.0,
     plus ``format_bonus`` when the response has a complete non-empty ``\\boxed{}``.
@@ -176,7 +183,7 @@ def reward(
     """
     return rewards(
         [response], [ground_truth], format_bonus=format_bonus, think_end_tag=think_end_tag,
-        timeout=timeout, pool=pool,
+        timeout=timeout, pool=pool, last_number_fallback=last_number_fallback,
     )[0]
 
 
@@ -255,6 +262,7 @@ class MathTask(Task):
         return rewards(
             responses, [self._gt(r) for r in rows], format_bonus=self.config.format_bonus,
             think_end_tag=self.config.think_end_tag, timeout=self.config.timeout, pool=self.pool,
+            last_number_fallback=self.config.last_number_fallback,
         )
 
     def correct(self, response: str, row: Mapping[str, Any]) -> bool:
@@ -264,7 +272,7 @@ class MathTask(Task):
         rows = list(_iter_rows(rows))
         return correct_many(
             responses, [self._gt(r) for r in rows], think_end_tag=self.config.think_end_tag,
-            timeout=self.config.timeout, pool=self.pool,
+            timeout=self.config.timeout, pool=self.pool, last_number_fallback=self.config.last_number_fallback,
         )
 
     def close(self) -> None:

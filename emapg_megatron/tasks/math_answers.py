@@ -2,9 +2,11 @@
 
 1. **Extract** the final answer: the content of the last *complete* ``\\boxed{...}`` (or
    ``\\fbox{...}``; braces are matched, so nesting is fine; an unclosed, truncated ``\\boxed{``
-   is skipped in favour of the previous complete one). When there is no boxed answer, the
-   last number in the text (``-12``, ``3.5``, ``1,000``, ``3/4``). When several boxed answers
-   appear, **the last one counts**. With ``think_end_tag`` (e.g. ``"</think>"``) set, only the
+   is skipped in favour of the previous complete one). When several boxed answers appear, **the
+   last one counts**. Without a boxed answer there is none, unless ``last_number`` (opt-in,
+   ``--math-last-number-fallback``) takes the last number in the text (``-12``, ``3.5``,
+   ``1,000``, ``3/4``): a policy can learn to end any text with likely numbers, so a reward
+   should ask for the box (as DeepScaleR's and verl's math rewards do). With ``think_end_tag`` (e.g. ``"</think>"``) set, only the
    text after the last such tag is searched, and a response without the tag has no answer.
 2. **Fast path** (:func:`fast_check`): normalised strings equal -> correct; both sides plain
    rationals (``0.5``, ``1/2``, ``\\frac{1}{2}``) that are equal -> correct; both plain integers
@@ -93,7 +95,8 @@ def _region(response: str, think_end_tag: Optional[str]) -> Optional[str]:
     return response
 
 
-def extract_answer(response: str, think_end_tag: Optional[str] = None) -> Optional[str]:
+def extract_answer(response: str, think_end_tag: Optional[str] = None, last_number_fallback: bool = False
+                   ) -> Optional[str]:
     """The final answer of a response (see the module docstring), or None."""
     region = _region(response, think_end_tag)
     if region is None:
@@ -101,7 +104,7 @@ def extract_answer(response: str, think_end_tag: Optional[str] = None) -> Option
     boxed = last_boxed(region)
     if boxed is not None:
         return boxed if boxed else None
-    return last_number(region)
+    return last_number(region) if last_number_fallback else None
 
 
 def is_well_formatted(response: str, think_end_tag: Optional[str] = None) -> bool:

@@ -165,25 +165,22 @@ def load_training_prompts(task, data_path: Optional[str], tokenizer, *, seq_leng
         raise ConfigError(f"{budget_flag} {budget} leaves no room for a prompt in --seq-length "
                           f"{seq_length}")
     rows, source, skipped = _load_rows(task, data_path, fields, log)
-    from_file = task.builtin_rows() is None
     lengths = _prompt_lengths(task, rows, tokenizer, source)
     over = [k for k, n in enumerate(lengths) if n > limit]
     result = TrainingPrompts(rows, lengths, limit, len(rows), skipped_bad=skipped)
     if not over:
         return result
     what = (f"longer than --seq-length {seq_length} - {budget_flag} {budget} = {limit} tokens")
+    fits = _what_fits(max(lengths[j] for j in over), seq_length, budget, budget_flag)
     if len(over) == len(rows):
         k = min(over, key=lambda j: lengths[j])
         raise ConfigError(f"all {len(rows)} prompts in {source} are {what} (shortest: 0-based row "
-                          f"{_row_index(rows[k], k)}, {lengths[k]} tokens); "
-                          f"{'shorten them, raise' if from_file else 'raise'} --seq-length or lower "
-                          f"{budget_flag}")
+                          f"{_row_index(rows[k], k)}, {lengths[k]} tokens); {fits}")
     k = over[0]
     first = f"first: 0-based row {_row_index(rows[k], k)}, {lengths[k]} tokens"
     if long_prompts == "error":
         raise ConfigError(f"{len(over)} of {len(rows)} prompts in {source} are {what} ({first}); "
-                          f"{'shorten them, raise' if from_file else 'raise'} --seq-length, or pass "
-                          f"{LONG_PROMPTS_FLAG} drop to drop them")
+                          f"{fits}, or pass {LONG_PROMPTS_FLAG} drop to drop them")
     drop = set(over)
     kept = [j for j in range(len(rows)) if j not in drop]
     result.dropped = [_row_index(rows[j], j) for j in over]
@@ -192,6 +189,14 @@ def load_training_prompts(task, data_path: Optional[str], tokenizer, *, seq_leng
     log(f"{LONG_PROMPTS_FLAG} drop: dropped {len(over)} of {len(rows)} prompts in {source} "
         f"{what} ({first}); training on {len(result.rows)}")
     return result
+
+
+def _what_fits(longest: int, seq_length: int, budget: int, budget_flag: str) -> str:
+    """The settings that make room for a prompt of ``longest`` tokens (only what would work)."""
+    fixes = [f"--seq-length {longest + budget}"]
+    if longest < seq_length:  # a smaller response budget leaves room too
+        fixes.append(f"{budget_flag} {seq_length - longest}")
+    return f"{' or '.join(fixes)} fits them all (the longest is {longest} tokens)"
 
 
 class PromptSchedule:

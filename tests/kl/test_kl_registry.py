@@ -185,3 +185,17 @@ def test_kl_from_policy_terms_checks_alpha():
     with pytest.raises(ValueError, match="unknown KL kind"):
         kl_from_policy_terms(terms, tokens, None, None, ref_y, kind="topk-chi2")
 
+
+
+def test_the_topk_source_can_be_forced_either_way():
+    """--kl-topk-source: auto follows Algorithms 1/2; policy / anchor force whose top-k ids are q
+    (NeMo-RL takes the teacher's, the anchor's, for every direction)."""
+    from emapg_megatron.kl.config import KLConfig
+    from emapg_megatron.step.passes import TopkPlan
+
+    assert KLConfig("topk-reverse").q_source == "old" and KLConfig("topk-forward").q_source == "anchor"
+    assert KLConfig("topk-reverse", topk_source="anchor").q_source == "anchor"
+    assert KLConfig("topk-forward", topk_source="policy").q_source == "old"
+    assert KLConfig("k3", topk_source="anchor").q_source is None  # a sampled estimator has no q
+    plan = TopkPlan.of(KLConfig("topk-reverse", k=8, topk_source="anchor"))
+    assert (plan.k_in("old"), plan.k_in("anchor")) == (0, 8)

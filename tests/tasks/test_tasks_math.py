@@ -48,10 +48,11 @@ CASES = [
     ("\\fbox{7}", "7", 1.0),
     ("so it is \\boxed 5.", "5", 1.0),
     ("The solution is \\boxed{\\frac{1}{2}}", "$\\boxed{\\frac12}$", 1.0),
-    # no boxed: the last number counts
-    ("The answer is 42.", "42", 1.0),
-    ("We get 3 apples, then 5 more, 8 in total", "8", 1.0),
-    ("so the total is 1,250 dollars", "1250", 1.0),
+    # no boxed: no answer (the last number counts only with the opt-in fallback: FALLBACK_CASES)
+    ("The answer is 42.", "42", 0.0),
+    ("We get 3 apples, then 5 more, 8 in total", "8", 0.0),
+    ("so the total is 1,250 dollars", "1250", 0.0),
+    ("1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 41 42", "42", 0.0),  # a number-spraying policy
     # wrong answers
     ("\\boxed{\\frac{1}{3}}", "0.5", 0.0),
     ("\\boxed{(-1,4)}", "(-1, 4]", 0.0),
@@ -74,6 +75,16 @@ CASES = [
 ]
 
 
+# --math-last-number-fallback (opt-in): without a box, the last number in the text counts
+FALLBACK_CASES = [
+    ("The answer is 42.", "42", 1.0),
+    ("We get 3 apples, then 5 more, 8 in total", "8", 1.0),
+    ("so the total is 1,250 dollars", "1250", 1.0),
+    ("The answer is 41.", "42", 0.0),
+    ("\\boxed{41} and then 42", "42", 0.0),  # a box wins over the fallback
+]
+
+
 @pytest.fixture(scope="module")
 def pool():
     p = MathVerifierPool(num_workers=2, timeout=3.0)
@@ -92,6 +103,17 @@ def test_reward_table(pool):
     got = mt.rewards(responses, gts, pool=pool)
     wrong = [(c, g) for c, g in zip(CASES, got) if g != c[2]]
     assert not wrong, wrong
+
+
+def test_the_last_number_fallback_is_opt_in(pool):
+    responses, gts = [c[0] for c in FALLBACK_CASES], [c[1] for c in FALLBACK_CASES]
+    got = mt.rewards(responses, gts, pool=pool, last_number_fallback=True)
+    assert got == [c[2] for c in FALLBACK_CASES]
+    task = MathTask(last_number_fallback=True)
+    try:
+        assert task.rewards(["The answer is 42."], [{"ground_truth": "42"}]) == [1.0]
+    finally:
+        task.close()
 
 
 def test_public_reward_api_default_pool():
@@ -117,10 +139,11 @@ def test_last_boxed(text, expected):
 
 
 def test_extract_answer_fallbacks():
-    assert extract_answer("the value is -3.5 and then 7") == "7"
-    assert extract_answer("x = -3.5") == "-3.5"
-    assert extract_answer("ratio 3/4") == "3/4"
-    assert extract_answer("nothing here") is None
+    assert extract_answer("the value is -3.5 and then 7") is None  # no box: no answer by default
+    assert extract_answer("the value is -3.5 and then 7", last_number_fallback=True) == "7"
+    assert extract_answer("x = -3.5", last_number_fallback=True) == "-3.5"
+    assert extract_answer("ratio 3/4", last_number_fallback=True) == "3/4"
+    assert extract_answer("nothing here", last_number_fallback=True) is None
     # think tag: only the text after the last </think> is graded
     assert extract_answer("<think>\\boxed{3}</think> so \\boxed{4}", "</think>") == "4"
     assert extract_answer("<think>\\boxed{3} ...", "</think>") is None
@@ -136,7 +159,9 @@ def test_think_end_tag(pool):
 def test_format_bonus(pool):
     assert mt.reward("\\boxed{3}", "3", format_bonus=0.1, pool=pool) == pytest.approx(1.1)
     assert mt.reward("\\boxed{4}", "3", format_bonus=0.1, pool=pool) == pytest.approx(0.1)
-    assert mt.reward("the answer is 3", "3", format_bonus=0.1, pool=pool) == pytest.approx(1.0)
+    assert mt.reward("the answer is 3", "3", format_bonus=0.1, pool=pool) == 0.0  # no box, no answer
+    assert mt.reward("the answer is 3", "3", format_bonus=0.1, pool=pool,
+                     last_number_fallback=True) == pytest.approx(1.0)  # correct, and no bonus
     assert mt.reward("\\boxed{}", "3", format_bonus=0.1, pool=pool) == 0.0
 
 
@@ -227,7 +252,7 @@ def test_math_task_end_to_end(tmp_path):
             {"problem": "no answer"}]
     path = tmp_path / "m.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    task = MathTask(timeout=3.0, num_workers=1, format_bonus=0.5)
+    task = MathTask(timeout=3.0, num_workers=1, format_bonus=0.5, last_number_fallback=True)
     try:
         ds = task.load(str(path))
         assert len(ds) == 2 and ds[0]["ground_truth"] == "2"

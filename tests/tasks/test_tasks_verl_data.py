@@ -37,7 +37,7 @@ def test_verl_files_load_as_is_and_render_their_messages(name):
 def _dry_run(*argv):
     err, out = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), pytest.raises(SystemExit) as e:
-        train.main(["--preset", "tiny-cpu", "--dry-run", "--world-size", "2", "--task", "math",
+        train.main(["--preset", "tiny-cpu", "--dry-run=json", "--world-size", "2", "--task", "math",
                     "--load-hf", HF, "--seq-length", "256", "--max-new-tokens", "16", *argv])
     return e.value.code, out.getvalue(), err.getvalue().strip()
 

@@ -156,8 +156,8 @@ def test_over_long_prompt_names_the_count_and_first_row(tmp_path):
     path = _jsonl(tmp_path / "d.jsonl", _rows(45, 46, 10, 60))
     msg = _err(EchoTask(), path)
     assert msg == (f"2 of 4 prompts in {path} are longer than --seq-length 64 - --max-new-tokens 16 "
-                   f"= 48 tokens (first: 0-based row 1, 49 tokens); shorten them, raise "
-                   f"--seq-length, or pass --long-prompts drop to drop them")
+                   f"= 48 tokens (first: 0-based row 1, 49 tokens); --seq-length 79 or --max-new-tokens 1 "
+                   f"fits them all (the longest is 63 tokens), or pass --long-prompts drop to drop them")
 
 
 def test_row_index_counts_skipped_lines(tmp_path):
@@ -182,8 +182,8 @@ def test_all_prompts_too_long_is_an_error_in_every_mode(tmp_path, mode):
     path = _jsonl(tmp_path / "d.jsonl", _rows(50, 46, 70))
     msg = _err(EchoTask(), path, long_prompts=mode)
     assert msg == (f"all 3 prompts in {path} are longer than --seq-length 64 - --max-new-tokens 16 "
-                   f"= 48 tokens (shortest: 0-based row 1, 49 tokens); shorten them, raise "
-                   f"--seq-length or lower --max-new-tokens")
+                   f"= 48 tokens (shortest: 0-based row 1, 49 tokens); --seq-length 89 fits them all "
+                   f"(the longest is 73 tokens)")
 
 
 def test_bad_mode_and_no_room(tmp_path):
@@ -231,7 +231,8 @@ def test_synthetic_task_goes_through_the_same_path():
         load_training_prompts(task, None, CharTokenizer(), seq_length=8, max_new_tokens=5)
     assert str(e.value) == ("all 16 prompts in the built-in synthetic-copy data are longer than "
                             "--seq-length 8 - --max-new-tokens 5 = 3 tokens (shortest: 0-based row 0, "
-                            "4 tokens); raise --seq-length or lower --max-new-tokens")
+                            "4 tokens); --seq-length 9 or --max-new-tokens 4 fits them all (the longest "
+                            "is 4 tokens)")
 
 
 def test_file_task_without_data_path():

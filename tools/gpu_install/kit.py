@@ -21,7 +21,7 @@ prepared from. ``install`` checks all of it (every part present, sizes and sha25
 setup.py's) before it reassembles or installs anything; a failure there is one line
 ``error: ...`` naming the part, exit status 2 (3: a background TE build still runs; 1: pip, the
 compile or an import failed afterwards). Needs Python >= 3.10 and ``packaging``.
-See docs/gpu.md ("Installing on the lent GPU machine").
+See docs/dev/gpu_kit.md (the kit, for maintainers; the versions are docs/gpu.md's table).
 """
 
 from __future__ import annotations

@@ -6,8 +6,9 @@
 #   opd         distillation alone (--no-task-reward), Top-k forward KL to the teacher, unbiased tail
 #   opd-renorm  the same with the tail NeMo-RL computes (the KL renormalised over the top-k)
 #   rl          EMA-PG on the task's reward alone
-# COPY_REWARD (fraction, the default, or exact: all or nothing, a sparse reward) is the students'
-# reward: the one rl learns from and every run is scored with. The teacher always learns from
+# COPY_REWARD is the students' reward, the one rl learns from and every run is scored with: exact
+# (the default: 1 when all three digits are copied, else 0; a sparse reward) or fraction (the share
+# of the digits copied right, the main job's). opd and opd-renorm never see it (--no-task-reward). The teacher always learns from
 # fraction; its reward is measured with COPY_REWARD over 20 steps of its frozen weights (exported to
 # OUT/teacher-hf, run with --lr 0).
 # Writes OUT/<COPY_REWARD>/seed-<S>/<run>/ and OUT/<COPY_REWARD>/opd_curves.png, and prints, as its
@@ -23,7 +24,7 @@ PY=$(bash tools/python.sh)
 export OMP_NUM_THREADS=1 CUDA_DEVICE_MAX_CONNECTIONS=1
 OUT=${OUT:-runs/opd-tiny}
 SEEDS=${SEEDS:-1 2 3 4 5}
-COPY_REWARD=${COPY_REWARD:-fraction}
+COPY_REWARD=${COPY_REWARD:-exact}
 TEACHER_STEPS=${TEACHER_STEPS:-300}
 STEPS=${STEPS:-200}
 RUNS=$OUT/$COPY_REWARD

@@ -35,10 +35,11 @@ def test_the_report_over_seeds_is_the_last_line_and_writes_the_curves(tmp_path, 
             _log(tmp_path / f"seed-{seed}" / name, [0.2] * (start or 40) + [0.9] * (40 - (start or 40)))
     opd_report.main([str(tmp_path), "--seeds", "1", "2", "3"])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert list(out) == ["seeds", "steps", "teacher_reward", "target",
+    assert list(out) == ["out", "seeds", "steps", "teacher_reward", "target",
                          "opd_steps_to_90pct", "opd_reward_last_10", "opd_renorm_steps_to_90pct",
                          "opd_renorm_reward_last_10", "rl_steps_to_90pct", "rl_reward_last_10", "machine"]
-    assert (out["seeds"], out["steps"], out["teacher_reward"], out["target"]) == ([1, 2, 3], 40, 0.8, 0.72)
+    assert (out["out"], out["seeds"], out["steps"]) == (str(tmp_path), [1, 2, 3], 40)
+    assert (out["teacher_reward"], out["target"]) == (0.8, 0.72)
     assert out["opd_steps_to_90pct"] == {"per_seed": [13, 15, 11], "median": 13, "min": 11, "max": 15}
     # a run that never gets there ranks above every step: it is the max, and the median moves up
     assert out["opd_renorm_steps_to_90pct"] == {"per_seed": [28, 38, None], "median": 38, "min": 28, "max": None}

@@ -49,8 +49,8 @@ def test_the_main_jobs_last_line_and_its_png(tmp_path, capsys):
     _log(tmp_path / "seed-9", [1.0] * 30)  # not asked for
     seed_report.main([str(tmp_path), "--seeds", "1", "2", "3"])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert list(out) == ["seeds", "steps", "reward_first_10", "reward_last_10", "machine"]
-    assert out["seeds"] == [1, 2, 3] and out["steps"] == 30
+    assert list(out) == ["out", "seeds", "steps", "reward_first_10", "reward_last_10", "machine"]
+    assert (out["out"], out["seeds"], out["steps"]) == (str(tmp_path), [1, 2, 3], 30)
     assert out["reward_first_10"] == {"per_seed": [0.1, 0.2, 0.0], "median": 0.1, "min": 0.0, "max": 0.2}
     assert out["reward_last_10"] == {"per_seed": [0.5, 0.7, 0.6], "median": 0.6, "min": 0.5, "max": 0.7}
     assert out["machine"] == seed_report.machine()

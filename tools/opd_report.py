@@ -7,7 +7,7 @@ each student run and seed. The teacher's reward is the mean of its last 20 logge
 steps-to-90% is the first step whose mean reward over its last 10 steps reaches 90% of the
 teacher's (null if none does within the run). Writes OUT/opd_curves.png (each run's 10-step mean
 reward: the seeds' mean, their min-max band and each seed; the teacher's reward and the 90% line)
-and prints, as its last line, one JSON object: ``seeds``, ``steps``, ``teacher_reward``, ``target``
+and prints, as its last line, one JSON object: ``out``, ``seeds``, ``steps``, ``teacher_reward``, ``target``
 (90% of it), and per run (dashes become underscores) ``<run>_steps_to_90pct`` and
 ``<run>_reward_last_10``, each ``{"per_seed": [...], "median", "min", "max"}`` (a null ranks above
 every step: see ``seed_report.distribution``), and ``machine``.
@@ -41,7 +41,7 @@ def report(out: str, seeds: list[int], teacher: str | None = None, runs=RUNS) ->
     target = FRACTION * teacher_reward
     curves = {name: [rewards(os.path.join(out, f"seed-{s}", name, "metrics.jsonl")) for s in seeds]
               for name in runs}
-    result = {"seeds": seeds, "steps": min(len(c) for runs_ in curves.values() for c in runs_),
+    result = {"out": out, "seeds": seeds, "steps": min(len(c) for runs_ in curves.values() for c in runs_),
               "teacher_reward": round(teacher_reward, 4), "target": round(target, 4)}
     for name, per_seed in curves.items():
         key = name.replace("-", "_")
@@ -58,7 +58,7 @@ def plot(path: str, curves: dict, teacher_reward: float) -> None:
         plot_band(ax, per_seed, name)
     ax.axhline(teacher_reward, color="black", linestyle="--", label="teacher")
     ax.axhline(FRACTION * teacher_reward, color="gray", linestyle=":", label="90% of the teacher")
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 

@@ -7,7 +7,7 @@ A seed's figures are its mean reward over the first and over the last 10 logged 
 OUT/reward_seeds.png (each seed's 10-step mean reward, the seeds' mean and their min-max band) and
 prints, as its last line, one JSON object:
 
-    {"seeds": [1, 2, ...], "steps": 150,
+    {"out": OUT, "seeds": [1, 2, ...], "steps": 150,
      "reward_first_10": {"per_seed": [...], "median": m, "min": a, "max": b},
      "reward_last_10": {...}, "machine": "CPU model, N CPUs"}
 
@@ -116,7 +116,7 @@ def report(out: str, seeds: list[int]) -> dict:
     ax.legend(loc="lower right")
     fig.tight_layout()
     fig.savefig(os.path.join(out, "reward_seeds.png"), dpi=100)
-    return {"seeds": seeds, "steps": min(len(c) for c in curves),
+    return {"out": out, "seeds": seeds, "steps": min(len(c) for c in curves),
             f"reward_first_{WINDOW}": distribution([mean(c[:WINDOW]) for c in curves]),
             f"reward_last_{WINDOW}": distribution([mean(c[-WINDOW:]) for c in curves]),
             "machine": machine()}

@@ -53,12 +53,12 @@ def report(out: str, seeds: list[int], teacher: str | None = None, runs=RUNS) ->
 
 
 def plot(path: str, curves: dict, teacher_reward: float) -> None:
-    fig, ax = figure()
+    fig, ax = figure(height=4.6)
     for name, per_seed in curves.items():
         plot_band(ax, per_seed, name)
     ax.axhline(teacher_reward, color="black", linestyle="--", label="teacher")
     ax.axhline(FRACTION * teacher_reward, color="gray", linestyle=":", label="90% of the teacher")
-    ax.legend(loc="upper left", fontsize=8)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=3, fontsize=8)  # below the curves
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 

@@ -96,11 +96,11 @@ def plot_band(ax, curves: list[list[float]], label: str, color: str | None = Non
         ax.plot(range(1, len(c) + 1), c, color=line.get_color(), lw=0.6, alpha=0.6)
 
 
-def figure():
+def figure(height: float = 4.0):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(6.4, 4.0))  # no pyplot: no global figure state, no GUI backend
+    fig = Figure(figsize=(6.4, height))  # no pyplot: no global figure state, no GUI backend
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     ax.set_xlabel("step")

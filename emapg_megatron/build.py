@@ -247,7 +247,7 @@ def build_tokenizer_and_task(cfg: RunConfig):
     """The tokenizer (--load-hf's) and the task, on the config its flags built."""
     task = cfg.task
     if task.built_in:
-        return CharTokenizer(), CopyTask(seed=cfg.loop.seed)
+        return CharTokenizer(), CopyTask(seed=cfg.loop.seed, reward=task.copy.reward)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.load_hf, local_files_only=True)
     return tokenizer, get_task(task.name, config=task.task_config())
 

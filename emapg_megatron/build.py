@@ -260,7 +260,7 @@ def build_tokenizer_and_task(cfg: RunConfig):
     only), the tokenizer is None and the prompts are not checked."""
     task = cfg.task
     if task.built_in:
-        return CharTokenizer(), CopyTask(seed=cfg.loop.seed)
+        return CharTokenizer(), CopyTask(seed=cfg.loop.seed, reward=task.copy.reward)
     built = get_task(task.name, config=task.task_config())
     if not has_tokenizer(cfg.model.load_hf):
         if cfg.launch.dry_run:

@@ -37,9 +37,42 @@ _check_unique_module_names()
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")
     config.addinivalue_line("markers", "slow: multi-process or long-running test")
+    config.addinivalue_line("markers", "launch: starts the trainer or emapg-train as real processes (torchrun, "
+                                       "fresh interpreters): signals, exit codes, the launcher, a smoke run")
+    config.addinivalue_line("markers", "mcore: the test module reaches megatron-core through its imports "
+                                       "(set by tests/mcore_marker.py, not by hand); tests/run.sh runs only "
+                                       "these on the second megatron-core release")
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m selects on it
 def pytest_collection_modifyitems(config, items):
+    from mcore_marker import reaches_megatron
+
+    verdicts = {}
+    for item in items:
+        path = str(item.path)
+        if path not in verdicts:
+            verdicts[path] = reaches_megatron(path)
+        if verdicts[path]:
+            item.add_marker(pytest.mark.mcore)
+    _skip_gpu_tests(items)
+
+
+def pytest_collection_finish(session):
+    """Remember how many tests this run selected (after -m/-k), said in the summary."""
+    items = session.items
+    session.config._emapg_counts = (len(items), sum(1 for i in items if i.get_closest_marker("mcore")),
+                                    sum(1 for i in items if i.get_closest_marker("launch")))
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    counts = getattr(config, "_emapg_counts", None)
+    if counts:
+        terminalreporter.write_line(f"tests selected: {counts[0]} ({counts[1]} marked mcore, "
+                                    f"{counts[2]} marked launch)")
+
+
+def _skip_gpu_tests(items):
     import torch
 
     if torch.cuda.is_available():
@@ -48,6 +81,46 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# --- shared by several modules: built or run once per session ----------------------------------
+@pytest.fixture(scope="session")
+def tiny_hf_model(tmp_path_factory):
+    """``tiny_hf.build_tiny_hf``'s folder (a tiny Qwen2 model and its byte-level BPE tokenizer),
+    built once for every module that reads it; a test that changes files works on a copy."""
+    from tiny_hf import build_tiny_hf
+
+    return build_tiny_hf(str(tmp_path_factory.mktemp("tiny_hf")))
+
+
+@pytest.fixture(scope="session")
+def hf_models(tmp_path_factory):
+    """The equivalence matrix's architectures (``test_equivalence_matrix.ARCHS``, seeded weights)
+    as tiny HF folders, built once for it, the fused-LM-head and the distillation tests."""
+    from test_equivalence_matrix import ARCHS, build_hf_model
+
+    return {a: build_hf_model(tmp_path_factory.mktemp(a), a) for a in ARCHS}
+
+
+@pytest.fixture(scope="session")
+def trainer_steps():
+    """``train_run_workers.train_steps`` on forked ranks, each distinct run once per session (the
+    equivalence matrix and the fused-LM-head test take some of the same runs): ``run(nproc, argv,
+    steps, tp=1, pp=1)`` -> each rank's result. Callers only read the results."""
+    from train_run_workers import train_steps
+
+    from emapg_megatron.multiprocess import run_distributed
+
+    done = {}
+
+    def run(nproc, argv, steps, tp=1, pp=1, timeout=600):
+        key = (nproc, tp, pp, tuple(argv), steps)
+        if key not in done:
+            done[key] = run_distributed(train_steps, nproc, tp=tp, pp=pp, args=(list(argv), steps),
+                                        timeout=timeout)
+        return done[key]
+
+    return run
 
 
 @pytest.fixture(scope="module")

@@ -31,6 +31,7 @@ def run_cli(*argv, env_world=None):
     return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
 
 
+@pytest.mark.launch
 def test_cli_subprocess_exit_code():
     cmd = [sys.executable, "-m", "emapg_megatron.train", *BASE, "--ema-eta", "1.5", "--world-size", "2"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)

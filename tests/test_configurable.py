@@ -30,7 +30,8 @@ ADDED = {"--overwrite", "--kl-reference-clamps", "--rollout-dump-interval", "--w
          "--teacher-cpu-offload", "--task-reward",
          "--inference-fixed-shape-decode", "--inference-cuda-graphs",
          "--inference-continuous-batching", "--partial-rollouts", "--partial-rollout-oversample",
-         "--max-staleness", "--math-last-number-fallback", "--kl-topk-source"}  # flags added since, on purpose
+         "--max-staleness", "--math-last-number-fallback", "--kl-topk-source",
+         "--copy-reward"}  # flags added since, on purpose
 ADDED_ALIASES = {"--rl-partial-rollouts"}  # other names of added flags
 NEGATED = {"--no-task-reward", "--no-inference-fixed-shape-decode", "--no-inference-cuda-graphs",
            "--no-inference-continuous-batching"}  # the negations of added switches

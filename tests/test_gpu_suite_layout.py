@@ -137,15 +137,14 @@ def test_trainer_benchmark_reads_peak_memory_from_the_metrics(checks, tmp_path):
                                                    "tokens_per_s_median": 250.0, "max_memory_allocated_gib": 8.25}
 
 
-def test_gpu_tests_trainer_command_lines_pass_the_cli(gpu_helpers, tmp_path, capsys):
-    """What the GPU tests launch (local spec, the three EMA modes, FP8 on TE, vLLM) validates on the CLI."""
-    from tiny_hf import build_tiny_hf  # what the vLLM GPU test loads
-
+def test_gpu_tests_trainer_command_lines_pass_the_cli(gpu_helpers, tiny_hf_model, capsys):
+    """What the GPU tests launch (local spec, the three EMA modes, FP8 on TE, vLLM) validates on the CLI
+    (the vLLM GPU test loads tiny_hf's model: conftest.py's tiny_hf_model)."""
     from emapg_megatron import train
 
     g = gpu_helpers
     variants = [(g.LOCAL_SPEC, "local"), *[(flags, "auto") for flags in g.EMA_MODES.values()],
-                (g.FP8_HYBRID, "transformer_engine"), (g.vllm_flags(build_tiny_hf(str(tmp_path / "hf"))), "auto")]
+                (g.FP8_HYBRID, "transformer_engine"), (g.vllm_flags(tiny_hf_model), "auto")]
     for extra, impl in variants:
         assert train.run(g.TRAINER_BASE + extra + ["--dry-run=json"]) == 0, extra
         a = json.loads(capsys.readouterr().out)["args"]

@@ -88,3 +88,32 @@ def test_the_interpreter_is_python_or_the_active_venv_or_dot_venv(tmp_path):
     expected = os.path.join(ROOT, ".venv", "bin", "python") if os.path.exists(
         os.path.join(ROOT, ".venv", "bin", "python")) else "python3"
     assert which() == expected
+
+
+INSTALLED = """#!/usr/bin/env bash
+echo "$*" >> "{log}"
+case "$*" in
+  *sys.prefix*) echo "{prefix}" ;;
+  *sys.executable*) echo "{prefix}/bin/python" ;;
+esac
+exit 0
+"""
+
+
+@pytest.mark.parametrize("settings", [{}, {"MCORE_VERSION": "0.19.2"}], ids=["mcore016", "mcore019"])
+def test_a_second_run_installs_nothing(tmp_path, settings):
+    """tests/run.sh installs before each suite: in an environment the first run completed (its
+    stamp matches, the package imports), a re-run installs nothing, in either suite's environment
+    (./.venv, or VENV=.venv-mcore019 with its megatron-core pin)."""
+    prefix, log = tmp_path / "venv", tmp_path / "calls.log"
+    (prefix / "bin").mkdir(parents=True)
+    py = prefix / "bin" / "python"
+    py.write_text(INSTALLED.format(log=log, prefix=prefix))
+    py.chmod(py.stat().st_mode | stat.S_IEXEC)
+    first = _install({"VENV": str(prefix), **settings})
+    assert first.returncode == 0, first.stderr
+    assert any(c.startswith("-m pip install") for c in open(log).read().splitlines())
+    log.write_text("")
+    again = _install({"VENV": str(prefix), **settings})
+    assert again.returncode == 0 and again.stderr == "", again.stderr
+    assert not [c for c in open(log).read().splitlines() if "pip" in c]

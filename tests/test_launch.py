@@ -44,6 +44,7 @@ def test_launcher_and_trainer_flags_are_told_apart():
     assert trainer == ["--lr", "1e-6", "--log-dir", "runs/x", "--seed", "3"]  # --log-dir is ours
 
 
+@pytest.mark.launch
 def test_bad_input_is_one_line_before_any_rank_starts(tmp_path):
     r = launch("--ema-eta", "2", "--log-dir", str(tmp_path))
     assert r.returncode == 2 and r.stderr.strip() == "error: --ema-eta must be in [0, 1] (got 2.0)", r.stderr
@@ -62,6 +63,7 @@ def test_no_prefix_matching_and_a_hint_for_unknown_flags(argv, line):
 
 
 @pytest.mark.slow
+@pytest.mark.launch
 def test_a_failed_run_is_one_line_and_the_ranks_exit_code(tmp_path):
     r = launch("--train-iters", "4", "--lr", "1e30", "--clip-grad", "0", "--log-dir", str(tmp_path))
     assert r.returncode == 1, r.stderr
@@ -71,6 +73,7 @@ def test_a_failed_run_is_one_line_and_the_ranks_exit_code(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.launch
 def test_ctrl_c_saves_and_exits_130_without_a_traceback(tmp_path):
     proc = launch("--train-iters", "400", "--log-dir", str(tmp_path / "log"), "--save", str(tmp_path / "ckpt"),
                   wait=False)

@@ -1,4 +1,5 @@
 """``run_distributed``: ranks forked from a preloaded forkserver on CPU behave as spawned ones.
+``launch_ranks``: a program on ranks forked the same way, as torchrun would start it.
 
 The forkserver's own environment, ``sys.path`` and working directory are those of its start; a
 rank must see the caller's at the call (tests set variables, change directory and put helper
@@ -12,7 +13,7 @@ import sys
 import pytest
 import torch.distributed as dist
 
-from emapg_megatron.multiprocess import RankError, run_distributed
+from emapg_megatron.multiprocess import RankError, launch_ranks, run_distributed
 
 LATE_MODULE = '''
 import os
@@ -41,6 +42,17 @@ def _hang():
     import time
 
     time.sleep(60)
+
+
+def _fail_then_peer_dies():
+    """Rank 1 reports a broken collective at once; rank 0, whose death broke it, exits a moment
+    later (its exit code reaches the parent after rank 1's report)."""
+    import time
+
+    if dist.get_rank() == 1:
+        raise RuntimeError("Connection closed by peer")
+    time.sleep(0.5)
+    os._exit(3)
 
 
 def test_ranks_take_the_callers_environment_path_and_directory_at_the_call(tmp_path, monkeypatch):
@@ -82,3 +94,97 @@ def test_a_rank_that_dies_or_hangs_fails_the_run():
         run_distributed(_die, 2, timeout=60)
     with pytest.raises(TimeoutError, match="timed out"):
         run_distributed(_hang, 1, timeout=3)
+
+
+def test_a_peer_that_died_is_named_before_the_rank_its_death_broke():
+    with pytest.raises(RankError, match=r"rank 0 died with exit code 3 before reporting \(rank 1 failed "
+                                        r"too:(.|\n)*Connection closed by peer"):
+        run_distributed(_fail_then_peer_dies, 2, timeout=60)
+
+
+# --- launch_ranks: a program on ranks, as torchrun starts it -------------------------------------
+def _program(code_on_rank_1=0):
+    """Says where it runs; rank 1 exits with ``code_on_rank_1``."""
+    rank = int(os.environ["RANK"])
+    print(f"rank {rank}/{os.environ['WORLD_SIZE']} local {os.environ['LOCAL_RANK']} "
+          f"run {os.environ['TORCHELASTIC_RUN_ID'] != ''} mark {os.environ.get('EMAPG_TEST_MARK')} "
+          f"in {os.getcwd()} group {dist.is_initialized()}")
+    print(f"warning from rank {rank}", file=sys.stderr)
+    return code_on_rank_1 if rank == 1 else 0
+
+
+def _strict_after_initialize():
+    from emapg_megatron import cpu_device, runtime
+    from emapg_megatron.runtime.config import ParallelConfig
+
+    runtime.initialize(ParallelConfig(device="cpu"))
+    try:
+        print(cpu_device.strict(), dist.get_world_size())
+    finally:
+        runtime.destroy()
+
+
+def _raise():
+    raise ValueError("uncaught in the program")
+
+
+def _exit_on_rank_1_while_rank_0_waits():
+    import time
+
+    if os.environ["RANK"] == "1":
+        sys.exit(2)
+    time.sleep(120)  # as a peer waiting in a collective for ever
+
+
+def _leave_a_child_and_hang(pid_file):
+    import subprocess
+    import time
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    with open(pid_file, "w") as f:
+        f.write(str(child.pid))
+    time.sleep(300)
+
+
+def test_launched_ranks_have_torchruns_environment_and_their_own_output(tmp_path, monkeypatch):
+    monkeypatch.setenv("EMAPG_TEST_MARK", "caller")
+    r = launch_ranks(_program, 2, cwd=str(tmp_path), timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == [f"rank {k}/2 local {k} run True mark caller in {tmp_path} group False"
+                                     for k in (0, 1)]  # no process group: the program makes its own
+    assert r.stderr.splitlines() == ["warning from rank 0", "warning from rank 1"]
+
+
+def test_a_launched_ranks_exit_code_is_the_runs(tmp_path):
+    assert launch_ranks(_program, 2, args=(3,), timeout=60).returncode == 3
+    r = launch_ranks(_raise, 1, timeout=60)
+    assert r.returncode == 1 and r.stderr.rstrip().endswith("ValueError: uncaught in the program"), r.stderr
+
+
+def test_a_failed_rank_stops_its_peers_and_a_timeout_leaves_nothing_running(tmp_path):
+    import subprocess
+    import time
+
+    import psutil
+
+    start = time.monotonic()
+    r = launch_ranks(_exit_on_rank_1_while_rank_0_waits, 2, timeout=100, stop_grace=1)
+    assert r.returncode == 2 and time.monotonic() - start < 60  # rank 0 was stopped, as torchrun does
+    pid_file = tmp_path / "child"
+    with pytest.raises(subprocess.TimeoutExpired):
+        launch_ranks(_leave_a_child_and_hang, 1, args=(str(pid_file),), timeout=8)
+    child = int(pid_file.read_text())
+    for _ in range(100):
+        if not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE:
+            return
+        time.sleep(0.1)
+    pytest.fail(f"the rank's child {child} outlived the run")
+
+
+def test_strict_device_mode_reaches_launched_ranks(monkeypatch):
+    monkeypatch.setenv("EMAPG_STRICT_DEVICE", "1")
+    r = launch_ranks(_strict_after_initialize, 2, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["True", "2", "True", "2"]
+    monkeypatch.delenv("EMAPG_STRICT_DEVICE")
+    assert launch_ranks(_strict_after_initialize, 1, timeout=120).stdout.split() == ["False", "1"]

@@ -20,6 +20,7 @@ from .math_verifier import DEFAULT_TIMEOUT
 TASKS = ("synthetic-copy", "math", "search")
 LONG_PROMPT_MODES = ("error", "drop")
 CHAT_TEMPLATE_MODES = ("auto", "always", "never")
+COPY_REWARDS = ("fraction", "exact")
 
 MATH_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
 """Appended to a math question (DeepScaleR style)."""
@@ -102,6 +103,16 @@ class SearchConfig(PromptConfig):
 
 
 @dataclass
+class CopyConfig:
+    """synthetic-copy: the built-in task's reward."""
+
+    reward: str = option("fraction", flag="--copy-reward", choices=COPY_REWARDS, trajectory=True)
+    """synthetic-copy: fraction scores the share of the digits copied right (a uniform random
+    policy gets about 0.1); exact scores 1 when all of them are, else 0 (a sparse reward: about
+    0.001 at random)."""
+
+
+@dataclass
 class DataColumns:
     """Which columns of the data hold the prompt and the reference answer."""
 
@@ -133,6 +144,7 @@ class TaskConfig:
     """Prompts longer than --seq-length minus --max-new-tokens (search: --max-turn-tokens): error
     stops before training with their count and first row; drop leaves them out and logs the count."""
     columns: DataColumns = field(default_factory=DataColumns)
+    copy: CopyConfig = field(default_factory=CopyConfig)
     math: MathConfig = field(default_factory=MathConfig)
     search: SearchConfig = field(default_factory=SearchConfig)
 
@@ -153,6 +165,8 @@ class TaskConfig:
         """The task's flags; ``load_hf`` is the model a real task takes its tokenizer from."""
         for part in components(self):
             check_fields(part)
+        if not self.built_in and self.copy.reward != "fraction":
+            raise ConfigError(f"--copy-reward is the built-in synthetic-copy task's, not --task {self.name}'s")
         if not self.built_in and load_hf is None:
             raise ConfigError(f"--task {self.name} needs --load-hf (for the tokenizer and weights)")
         if not self.built_in and self.data_path is None:

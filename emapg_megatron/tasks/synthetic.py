@@ -1,10 +1,11 @@
 """A built-in verifiable task for CPU runs: copy a digit string.
 
 The prompt is ``L`` random digits followed by ``=``; the correct response repeats them.
-The reward is the fraction of the ``L`` positions answered correctly (0..1), so a uniform
-random policy scores about 0.1 and a policy that learned to copy scores 1.0. Learning it
-needs attention to the prompt, so the reward curve shows real policy improvement, and it
-needs no data files, tokenizer downloads or verifier.
+The reward (``--copy-reward``) is by default the fraction of the ``L`` positions answered
+correctly (0..1), so a uniform random policy scores about 0.1 and a policy that learned to copy
+scores 1.0; ``exact`` is all or nothing (1 when every position is right, about 10^-L at random),
+a sparse reward. Learning it needs attention to the prompt, so the reward curve shows real
+policy improvement, and it needs no data files, tokenizer downloads or verifier.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import random
 from typing import Any, Mapping
 
 from emapg_megatron.tasks.base import Task
+from emapg_megatron.tasks.config import COPY_REWARDS
 
 DIGITS = "0123456789"
 
@@ -45,8 +47,11 @@ class CopyTask(Task):
     name = "synthetic-copy"
     required_fields = ("digits",)
 
-    def __init__(self, length: int = 3, num_rows: int = 4096, seed: int = 0):
+    def __init__(self, length: int = 3, num_rows: int = 4096, seed: int = 0, reward: str = "fraction"):
+        if reward not in COPY_REWARDS:
+            raise ValueError(f"reward must be one of {COPY_REWARDS}, not {reward!r}")
         self.length = length
+        self.exact = reward == "exact"
         rng = random.Random(seed)
         self.rows = [{"digits": "".join(rng.choice(DIGITS) for _ in range(length))}
                      for _ in range(num_rows)]
@@ -59,6 +64,8 @@ class CopyTask(Task):
 
     def reward(self, response: str, row: Mapping[str, Any]) -> float:
         target = row["digits"]
+        if self.exact:
+            return float(self.correct(response, row))
         return sum(a == b for a, b in zip(response, target)) / len(target)
 
     def correct(self, response: str, row: Mapping[str, Any]) -> bool:

@@ -266,6 +266,7 @@ train.run_checked(fail)
 """
 
 
+@pytest.mark.launch
 def test_the_no_teardown_exit_ends_the_ranks_child_processes():
     """A collective failure exits at once (os._exit): Megatron's results Manager and writers, the
     rank's multiprocessing children, must not outlive it."""

@@ -16,7 +16,6 @@ import subprocess
 import sys
 
 import pytest
-from tiny_hf import build_tiny_hf
 
 from emapg_megatron import train
 from emapg_megatron.checkpoint.hf_config import model_config_from_hf, read_hf_config
@@ -27,8 +26,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return build_tiny_hf(str(tmp_path_factory.mktemp("tiny_hf")))
+def tiny(tiny_hf_model):
+    return tiny_hf_model  # conftest.py's, shared with other modules: never changed, see hf
 
 
 @pytest.fixture

@@ -11,9 +11,10 @@ import sys
 
 import pytest
 from checkpoint_workers import resumed_vs_exported
-from tiny_hf import SAMPLES, build_tiny_hf
+from tiny_hf import SAMPLES
+from trainer_launch import run_trainer
 
-from emapg_megatron.multiprocess import free_port, run_distributed
+from emapg_megatron.multiprocess import run_distributed
 
 pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -36,12 +37,14 @@ def _run(cmd: list, **env) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+def trained(tiny_hf_model, tmp_path_factory):
     pytest.importorskip("math_verify")
     root = tmp_path_factory.mktemp("export")
-    hf = build_tiny_hf(str(root / "hf"))
-    _run([sys.executable, "-m", "emapg_megatron.launch", "--nproc-per-node", "2", "--master-port",
-          str(free_port()), *trainer_argv(hf, 2), "--save", str(root / "ckpt"), "--log-dir", str(root / "log")])
+    hf = tiny_hf_model  # conftest.py's, shared with other modules
+    # the trainer on 2 ranks, as emapg-train runs it (its launcher is tested in tests/test_launch.py)
+    r = run_trainer(2, [*trainer_argv(hf, 2), "--save", str(root / "ckpt"), "--log-dir", str(root / "log")],
+                    timeout=900, env=ENV, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return root, hf
 
 

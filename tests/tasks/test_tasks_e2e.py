@@ -4,7 +4,7 @@ import json
 import os
 
 import pytest
-from tiny_hf import SAMPLES, build_tiny_hf
+from tiny_hf import SAMPLES
 from trainer_launch import metrics, torchrun  # the shared launcher (tests/training)
 
 pytestmark = pytest.mark.slow
@@ -16,10 +16,10 @@ COMMON = ["--tensor-model-parallel-size", "2", "--train-iters", "2", "--rollout-
 
 
 @pytest.fixture(scope="module")
-def tiny_hf(tmp_path_factory):
+def tiny_hf(tiny_hf_model):
     pytest.importorskip("math_verify")
     pytest.importorskip("bm25s")
-    return build_tiny_hf(str(tmp_path_factory.mktemp("tiny_hf")))
+    return tiny_hf_model  # conftest.py's, shared with other modules
 
 
 def run_task(tmp_path, argv):

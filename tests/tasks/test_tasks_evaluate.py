@@ -272,10 +272,8 @@ def test_progress_line_redraws_on_a_terminal_and_is_throttled_in_a_log():
 
 
 @pytest.fixture(scope="module")
-def tiny_hf(tmp_path_factory):
-    from tiny_hf import build_tiny_hf
-
-    return build_tiny_hf(str(tmp_path_factory.mktemp("tiny_hf")))
+def tiny_hf(tiny_hf_model):
+    return tiny_hf_model  # conftest.py's, shared with other modules (the broken model is a copy)
 
 
 def _evaluate_subprocess(*argv):

@@ -43,11 +43,9 @@ def _dry_run(*argv):
 
 
 @pytest.fixture(scope="module", autouse=True)
-def tiny_hf(tmp_path_factory):
-    from tiny_hf import build_tiny_hf
-
+def tiny_hf(tiny_hf_model):
     global HF
-    HF = build_tiny_hf(str(tmp_path_factory.mktemp("tiny_hf")))
+    HF = tiny_hf_model  # conftest.py's, shared with other modules
 
 
 def test_the_trainer_takes_verl_files_and_column_flags():

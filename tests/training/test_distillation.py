@@ -9,7 +9,7 @@ teacher input is one line before any work.
 
 import pytest
 import torch
-from test_equivalence_matrix import ARCHS, LAYOUTS, argv_for, build_hf_model
+from test_equivalence_matrix import ARCHS, LAYOUTS, argv_for
 from train_run_workers import train_steps
 from trainer_launch import COMPARED
 
@@ -54,9 +54,9 @@ def distill_argv(student: str, teacher: str, layout: str) -> list:
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    return {a: (build_hf_model(tmp_path_factory.mktemp(a), a), build_teacher(tmp_path_factory.mktemp(f"t-{a}"), a))
-            for a in DISTILLED}
+def models(hf_models, tmp_path_factory):
+    """Each student (conftest.py's hf_models, shared with the equivalence matrix) and its teacher."""
+    return {a: (hf_models[a], build_teacher(tmp_path_factory.mktemp(f"t-{a}"), a)) for a in DISTILLED}
 
 
 @pytest.fixture(scope="module")
@@ -104,24 +104,23 @@ def one_rank(argv: list) -> list:
 
 # --- bad input: one line, before any work -----------------------------------------------------
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def tiny(tiny_hf_model, tmp_path_factory):
     """A student HF folder with a tokenizer, and teachers: a good one, one of another vocabulary,
     one whose query groups TP=2 cannot split, one with another tokenizer of the same size."""
     import json
+    import pathlib
     import shutil
 
-    from tests.tiny_hf import build_tiny_hf
-
     root = tmp_path_factory.mktemp("tiny")
-    student = build_tiny_hf(str(root / "student"))
-    n = json.loads((root / "student" / "config.json").read_text())["vocab_size"]
+    student = tiny_hf_model  # conftest.py's, read only: each teacher below is a changed copy
+    n = json.loads((pathlib.Path(student) / "config.json").read_text())["vocab_size"]
 
     def variant(name, **config):
         """The student's folder with ``config`` changed and weights of that shape."""
         from transformers import AutoConfig, AutoModelForCausalLM
 
         shutil.copytree(student, root / name)
-        d = {k: v for k, v in json.loads((root / "student" / "config.json").read_text()).items()
+        d = {k: v for k, v in json.loads((pathlib.Path(student) / "config.json").read_text()).items()
              if k not in ("layer_types", "architectures", "transformers_version")}
         cfg = AutoConfig.for_model(d.pop("model_type"), **{**d, **config})
         AutoModelForCausalLM.from_config(cfg).save_pretrained(root / name, safe_serialization=True)
@@ -199,9 +198,10 @@ def test_a_checkpoint_teacher_is_read_from_its_metadata(tiny, tmp_path):
 
 @pytest.mark.slow
 def test_a_trainer_checkpoint_teaches_and_a_distilled_run_resumes_only_with_its_teacher(tmp_path):
-    """emapg-train end to end: a run's --save folder is a teacher; the distilled run resumes with
-    it; resumed without it, the checkpoint (no EMA) is refused in one line, exit 2."""
-    from test_launch import launch
+    """The trainer end to end, as emapg-train runs it on 2 ranks once its checks passed: a run's
+    --save folder is a teacher; the distilled run resumes with it; resumed without it, the
+    checkpoint (no EMA) is refused in one line, exit 2."""
+    from trainer_launch import emapg_train as launch
 
     teacher, student = tmp_path / "teacher", tmp_path / "student"
     run = launch("--train-iters", "2", "--save", str(teacher), "--log-dir", str(tmp_path / "t-log"))

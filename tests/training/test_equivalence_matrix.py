@@ -11,10 +11,7 @@ weight that several ranks hold must be bit-identical across them afterwards.
 
 import pytest
 import torch
-from train_run_workers import train_steps
 from trainer_launch import COMPARED
-
-from emapg_megatron.multiprocess import run_distributed
 
 pytestmark = pytest.mark.slow
 
@@ -67,22 +64,17 @@ def argv_for(hf_dir: str, layout: str) -> list:
             "--pipeline-model-parallel-size", str(pp), *flags]
 
 
+# hf_models (the folders of ARCHS) and trainer_steps (train_run_workers.train_steps, each run once
+# per session) are conftest.py's: the fused-LM-head and distillation tests share them.
 @pytest.fixture(scope="module")
-def hf_models(tmp_path_factory):
-    return {a: build_hf_model(tmp_path_factory.mktemp(a), a) for a in ARCHS}
-
-
-@pytest.fixture(scope="module")
-def references(hf_models):
-    return {a: run_distributed(train_steps, 1, args=([*BASE, "--load-hf", d], STEPS))[0]["metrics"]
-            for a, d in hf_models.items()}
+def references(hf_models, trainer_steps):
+    return {a: trainer_steps(1, [*BASE, "--load-hf", d], STEPS)[0]["metrics"] for a, d in hf_models.items()}
 
 
 @pytest.mark.parametrize("arch, layout", CASES, ids=[f"{a}-{lay}" for a, lay in CASES])
-def test_layout_matches_one_rank(arch, layout, hf_models, references):
+def test_layout_matches_one_rank(arch, layout, hf_models, references, trainer_steps):
     nproc, tp, pp, _ = LAYOUTS[layout]
-    outs = run_distributed(train_steps, nproc, tp=tp, pp=pp,
-                           args=(argv_for(hf_models[arch], layout), STEPS), timeout=600)
+    outs = trainer_steps(nproc, argv_for(hf_models[arch], layout), STEPS, tp=tp, pp=pp)
     ref = references[arch]
     for rank, out in enumerate(outs):
         for step, (m, r) in enumerate(zip(out["metrics"], ref), start=1):

@@ -4,12 +4,10 @@ qk-layernorm model at TP=2 with sequence parallelism and an untied RoPE-scaled m
 
 import pytest
 import torch
-from test_equivalence_matrix import BASE, STEPS, argv_for, build_hf_model
-from train_run_workers import train_steps
+from test_equivalence_matrix import BASE, STEPS, argv_for
 from trainer_launch import COMPARED
 
 from emapg_megatron.arguments import parse_args
-from emapg_megatron.multiprocess import run_distributed
 
 pytestmark = pytest.mark.slow
 
@@ -22,11 +20,13 @@ def test_fused_lm_head_is_the_default_and_has_an_off_switch():
 
 
 @pytest.mark.parametrize("arch", list(CASES))
-def test_fused_and_unfused_trainers_agree(arch, tmp_path):
+def test_fused_and_unfused_trainers_agree(arch, hf_models, trainer_steps):
+    """The fused run is the equivalence matrix's run of that layout (conftest.py's trainer_steps
+    runs it once per session)."""
     layout = CASES[arch]
-    argv = argv_for(build_hf_model(tmp_path / arch, arch), layout)
-    runs = {name: run_distributed(train_steps, 2, tp=2 if "tp2" in layout else 1,
-                                  pp=2 if layout == "pp2" else 1, args=(argv + extra, STEPS), timeout=600)
+    argv = argv_for(hf_models[arch], layout)
+    runs = {name: trainer_steps(2, argv + extra, STEPS, tp=2 if "tp2" in layout else 1,
+                                pp=2 if layout == "pp2" else 1)
             for name, extra in (("fused", []), ("unfused", ["--no-fused-lm-head"]))}
     for fused, unfused in zip(runs["fused"], runs["unfused"]):
         for step, (m, r) in enumerate(zip(fused["metrics"], unfused["metrics"]), start=1):

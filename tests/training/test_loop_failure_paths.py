@@ -107,7 +107,7 @@ def test_a_resume_names_the_flags_that_change_its_trajectory():
     from emapg_megatron.configurable import trajectory_dests
 
     trajectory = trajectory_dests(RunConfig)  # declared on the options (trajectory=True)
-    assert set(trajectory) == {"seed", "task", "data_path", "long_prompts", "rollout_batch_size",
+    assert set(trajectory) == {"seed", "task", "copy_reward", "data_path", "long_prompts", "rollout_batch_size",
                                "num_samples_per_prompt", "max_new_tokens", "temperature", "top_p",
                                "partial_rollouts", "partial_rollout_oversample", "max_staleness"}
     saved = json.loads(json.dumps(parse_args(["--preset", "tiny-cpu"]).flags(), default=str))

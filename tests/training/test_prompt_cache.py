@@ -171,14 +171,13 @@ def test_a_folder_others_can_write_is_not_used(tmp_path, monkeypatch):
     assert prompt_cache.cache_dir() is None  # one process: nothing to share
 
 
-def test_the_launchers_validation_fills_the_cache_the_ranks_read(tmp_path, node_dir, monkeypatch):
+def test_the_launchers_validation_fills_the_cache_the_ranks_read(tmp_path, node_dir, monkeypatch, tiny_hf_model):
     """emapg-train validates (loading the prompts once); a rank's prepare() then tokenises
     nothing and gets the same prompts."""
     from emapg_megatron import build, launch
     from emapg_megatron.training import prompt_data
-    from tests.tiny_hf import build_tiny_hf
 
-    hf = build_tiny_hf(str(tmp_path / "hf"))
+    hf = tiny_hf_model  # conftest.py's, shared with other modules
     data = _jsonl(tmp_path / "m.jsonl", [{"problem": f"What is {i} + 1?", "answer": str(i + 1)}
                                          for i in range(40)])
     argv = ["--preset", "tiny-cpu", "--task", "math", "--load-hf", hf, "--data-path", data,

@@ -1,5 +1,7 @@
-"""The trainer launched by torchrun: layouts agree with one rank, resume is bit-exact,
-SIGTERM checkpoints, NaN steps are skipped and counted."""
+"""The trainer launched as torchrun does (ranks forked with torchrun's environment, see
+trainer_launch.py): layouts agree with one rank, resume is bit-exact, NaN steps are skipped and
+counted; under a real torchrun (marked ``launch``): SIGTERM checkpoints (also the smoke run of a
+real ``torchrun -m emapg_megatron.train``: steps, a checkpoint, exit 0), a dead peer ends the run."""
 
 import signal
 import time
@@ -121,6 +123,7 @@ def test_exploding_weights_stop_the_run_before_the_ema_and_any_checkpoint(tmp_pa
     assert not (tmp_path / "log" / "metrics.jsonl").exists() or not metrics(tmp_path / "log")
 
 
+@pytest.mark.launch
 def test_sigterm_saves_a_checkpoint_and_exits_cleanly(init_ckpt, tmp_path):
     ckpt = tmp_path / "ckpt"
     proc = torchrun(2, ["--train-iters", "200", "--tensor-model-parallel-size", "2",
@@ -141,6 +144,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(init_ckpt, tmp_path):
     assert 2 <= step < 200
 
 
+@pytest.mark.launch
 def test_a_dead_peer_ends_the_run_with_one_line(init_ckpt, tmp_path):
     proc = torchrun(2, ["--train-iters", "200", "--tensor-model-parallel-size", "2",
                         "--pretrained-checkpoint", init_ckpt], tmp_path / "log", wait=False)

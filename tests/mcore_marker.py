@@ -122,9 +122,23 @@ def _script_file(text: str, here: str) -> str | None:
     return None
 
 
+def _nodes(tree: ast.AST, eager: bool):
+    """Every node of ``tree``; with ``eager``, not those of a module-level ``__getattr__`` (a lazy
+    loader runs only when a name of the module is asked for, not when a submodule is imported)."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        yield node
+        for child in ast.iter_child_nodes(node):
+            if not (eager and node is tree and isinstance(child, ast.FunctionDef)
+                    and child.name == "__getattr__"):
+                todo.append(child)
+
+
 @functools.lru_cache(maxsize=None)
-def dependencies(path: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(module names, script files) that the file at ``path`` imports or starts."""
+def dependencies(path: str, eager: bool = False) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(module names, script files) that the file at ``path`` imports or starts; with ``eager``,
+    only what it imports when it is loaded as the parent package of a submodule being imported."""
     if path.endswith(".sh"):
         return _shell_dependencies(path)
     with open(path, encoding="utf-8") as f:
@@ -132,7 +146,7 @@ def dependencies(path: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
     package = _package_of(path)
     in_package = path.startswith(os.path.join(ROOT, PACKAGE) + os.sep)  # its strings are data
     names, scripts = [], []
-    for node in ast.walk(tree):
+    for node in _nodes(tree, eager):
         if isinstance(node, ast.Import):
             names += [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -168,27 +182,33 @@ def _shell_dependencies(path: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
 
 @functools.lru_cache(maxsize=None)
 def megatron_chain(path: str) -> tuple[str, ...] | None:
-    """The chain of files from ``path`` to an import of megatron-core, or None if none exists."""
-    seen, todo = {path: None}, [path]
+    """The chain of files from ``path`` to an import of megatron-core, or None if none exists.
+
+    A module named by an import is followed whole; the packages above it only as far as loading
+    them goes (``import a.b.c`` runs ``a/__init__`` and ``a/b/__init__``, not their lazy
+    ``__getattr__``: that runs when a name of the package itself is imported or asked for)."""
+    start = (path, False)
+    seen, todo = {start: None}, [start]
     while todo:
         current = todo.pop()
-        names, scripts = dependencies(current)
+        names, scripts = dependencies(*current)
         found = []
         for name in names:
             if name.split(".")[0] == MEGATRON:
                 chain = [name]
                 at = current
                 while at is not None:
-                    chain.append(at)
+                    chain.append(at[0])
                     at = seen[at]
                 return tuple(reversed(chain))
-            for candidate in _with_parents(name):
+            candidates = _with_parents(name)
+            for k, candidate in enumerate(candidates):
                 if (file := module_file(candidate)) is not None:
-                    found.append(file)
-        for file in [*found, *scripts]:
-            if file not in seen:
-                seen[file] = current
-                todo.append(file)
+                    found.append((file, k < len(candidates) - 1))
+        for key in [*found, *((s, False) for s in scripts)]:
+            if key not in seen:
+                seen[key] = current
+                todo.append(key)
     return None
 
 

@@ -34,6 +34,9 @@ def test_modules_that_reach_megatron_core_are_marked(module):
 @pytest.mark.parametrize("source, marked", [
     ("import math\nfrom emapg_megatron.kl import exact_kl\n", False),
     ("def f():\n    from emapg_megatron import runtime\n", True),  # function-local; lazy in the package
+    ("from emapg_megatron.runtime import initialize\n", True),  # a name the package loads lazily
+    # a light submodule of that package: importing it runs runtime/__init__, not its __getattr__
+    ("from emapg_megatron.runtime.environment import environment\n", False),
     ("def f():\n    from trainer_launch import torchrun\n", True),  # a helper, by bare name
     ("from .sibling import x\n", False),  # a relative import outside the repository resolves to nothing
     ("import importlib\nimportlib.import_module('megatron.core')\n", True),

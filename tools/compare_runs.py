@@ -1,13 +1,17 @@
-"""Compare training configurations over several seeds: mean +- std curves and a summary table.
+"""Compare training configurations over seeds: curves with their spread and a summary table.
 
-    python tools/compare_runs.py --out runs/compare --seeds 1 2 3 \
+    python tools/compare_runs.py --out runs/compare --seeds 1 2 3 4 5 \
         --config "grpo-k3-fixed=--kl-loss-type k3 --ema-eta 1.0" \
         --config "ema-pg-topk=--kl-loss-type topk-reverse --ema-eta 0.9" \
         -- --preset tiny-cpu --kl-coef 0.01
 
 Each (config, seed) runs `torchrun --nproc_per_node N -m emapg_megatron.train` into
 OUT/<name>/seed<S>/ unless its metrics.jsonl is already complete (so a rerun only plots;
---read-only never launches). Writes OUT/compare.png, OUT/summary.md and OUT/summary.json.
+--read-only never launches). Each figure (the reward of the first and of the last --last steps,
+the KL of the last --last steps) is given per seed with its median, min and max
+(``seed_report.distribution``), and the machine that measured it. Writes OUT/compare.png (the seeds'
+median and min-max band), OUT/summary.md and OUT/summary.json; prints the table and, last, one JSON
+line.
 """
 
 from __future__ import annotations
@@ -21,7 +25,10 @@ import sys
 
 import numpy as np
 
-from emapg_megatron.run.metrics import read_jsonl
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/: the seed report's helpers
+from seed_report import distribution, machine  # noqa: E402
+
+from emapg_megatron.run.metrics import read_jsonl  # noqa: E402
 
 CURVES = ("reward_mean", "kl", "entropy", "ema_lag")
 DEFAULT_CONFIGS = [
@@ -35,7 +42,7 @@ def parse_args(argv=None):
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--config", action="append", default=None,
                    help="NAME=TRAINER FLAGS (repeatable); default: GRPO-K3 fixed anchor vs EMA-PG Top-k")
-    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3], help="seeds per config")
+    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3, 4, 5], help="seeds per config")
     p.add_argument("--nproc", type=int, default=2, help="processes per run (torchrun)")
     p.add_argument("--read-only", action="store_true", help="only read existing runs and plot")
     p.add_argument("--last", type=int, default=10, help="steps averaged for the final numbers")
@@ -83,15 +90,14 @@ def curves(path: str) -> dict[str, np.ndarray]:
     return {k: np.array([r.get(k, np.nan) for r in recs]) for k in ("step", *CURVES)}
 
 
-def summarize(runs: dict[str, list[dict]], last: int) -> dict:
+def summarize(runs: dict[str, list[dict]], seeds: dict[str, list[int]], last: int) -> dict:
+    """Each config's figures per seed, with their median, min and max."""
     out = {}
-    for name, seeds in runs.items():
-        final = np.array([np.nanmean(c["reward_mean"][-last:]) for c in seeds])
-        first = np.array([np.nanmean(c["reward_mean"][:last]) for c in seeds])
-        kl = np.array([np.nanmean(c["kl"][-last:]) for c in seeds])
-        out[name] = {"seeds": len(seeds), "reward_first": float(first.mean()),
-                     "reward_final_mean": float(final.mean()), "reward_final_std": float(final.std()),
-                     "kl_final_mean": float(kl.mean())}
+    for name, curves_of in runs.items():
+        out[name] = {"seeds": seeds[name],
+                     "reward_first": distribution([float(np.nanmean(c["reward_mean"][:last])) for c in curves_of]),
+                     "reward_last": distribution([float(np.nanmean(c["reward_mean"][-last:])) for c in curves_of]),
+                     "kl_last": distribution([float(np.nanmean(c["kl"][-last:])) for c in curves_of])}
     return out
 
 
@@ -107,9 +113,8 @@ def plot(runs: dict[str, list[dict]], png: str) -> None:
         step = seeds[0]["step"][:n]
         for ax, key in zip(axes, CURVES):
             ys = np.stack([c[key][:n] for c in seeds])
-            mean, std = np.nanmean(ys, 0), np.nanstd(ys, 0)
-            ax.plot(step, mean, label=f"{name} (n={len(seeds)})")
-            ax.fill_between(step, mean - std, mean + std, alpha=0.2)
+            line, = ax.plot(step, np.nanmedian(ys, 0), label=f"{name} (median of {len(seeds)} seeds)")
+            ax.fill_between(step, np.nanmin(ys, 0), np.nanmax(ys, 0), color=line.get_color(), alpha=0.2)
             ax.set_title(key)
             ax.set_xlabel("step")
             ax.grid(alpha=0.3)
@@ -119,12 +124,24 @@ def plot(runs: dict[str, list[dict]], png: str) -> None:
     plt.close(fig)
 
 
-def markdown(summary: dict, last: int) -> str:
-    lines = [f"| config | seeds | reward, first {last} steps | reward, last {last} steps (mean ± std) "
-             f"| KL, last {last} |", "|---|---|---|---|---|"]
+def _spread(d: dict, fmt: str = ".3f") -> str:
+    return f"{d['median']:{fmt}} ({d['min']:{fmt}}–{d['max']:{fmt}})"
+
+
+def markdown(summary: dict, last: int, where: str) -> str:
+    """The figures' medians (min–max over the seeds), then every seed's."""
+    lines = [f"Median (min–max) over the seeds, on {where}:", "",
+             f"| config | seeds | reward, first {last} steps | reward, last {last} steps | KL, last {last} |",
+             "|---|---|---|---|---|"]
     for name, s in summary.items():
-        lines.append(f"| {name} | {s['seeds']} | {s['reward_first']:.3f} | "
-                     f"{s['reward_final_mean']:.3f} ± {s['reward_final_std']:.3f} | {s['kl_final_mean']:.4f} |")
+        lines.append(f"| {name} | {len(s['seeds'])} | {_spread(s['reward_first'])} | "
+                     f"{_spread(s['reward_last'])} | {_spread(s['kl_last'])} |")
+    lines += ["", f"| config | seed | reward, first {last} | reward, last {last} | KL, last {last} |",
+              "|---|---|---|---|---|"]
+    for name, s in summary.items():
+        for i, seed in enumerate(s["seeds"]):
+            lines.append(f"| {name} | {seed} | {s['reward_first']['per_seed'][i]:.3f} | "
+                         f"{s['reward_last']['per_seed'][i]:.3f} | {s['kl_last']['per_seed'][i]:.3f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -132,6 +149,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     runs: dict[str, list[dict]] = {}
+    done: dict[str, list[int]] = {}
     for spec in args.config:
         name, flags = parse_config(spec)
         flags = args.common + flags
@@ -143,17 +161,19 @@ def main(argv=None) -> None:
                     continue
                 launch(path, flags, seed, args.nproc)
             runs.setdefault(name, []).append(curves(path))
+            done.setdefault(name, []).append(seed)
     if not runs:
         raise SystemExit(f"error: no complete runs under {args.out}")
-    summary = summarize(runs, args.last)
+    summary = summarize(runs, done, args.last)
+    where = machine()
     plot(runs, os.path.join(args.out, "compare.png"))
+    table = markdown(summary, args.last, where)
     with open(os.path.join(args.out, "summary.md"), "w") as f:
-        f.write(markdown(summary, args.last))
+        f.write(table)
     with open(os.path.join(args.out, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=2)
-    print(markdown(summary, args.last))
-    print(json.dumps({"png": os.path.join(args.out, "compare.png"), "summary": summary}))
-
+        json.dump({"summary": summary, "machine": where}, f, indent=2)
+    print(table)
+    print(json.dumps({"png": os.path.join(args.out, "compare.png"), "summary": summary, "machine": where}))
 
 if __name__ == "__main__":
     main()

@@ -16,7 +16,8 @@
 # Arguments go to pytest in each suite: paths among them replace the default (`tests`, pytest.ini's
 # testpaths), options pass through (`bash tests/run.sh tests/kl -q`; a -m EXPR is joined with mcore
 # in the mcore019 suite). SUITES="mcore016" (or "mcore019") runs one. Both run even when the first
-# fails; the exit status is non-zero if either did.
+# fails; the exit status is non-zero if either did. JUNIT_DIR=DIR writes each suite's junit XML to
+# DIR/<suite>.xml (per-folder times: python tools/suite_durations.py DIR/*.xml).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MCORE019_VERSION=${MCORE019_VERSION:-0.19.2}
@@ -79,7 +80,9 @@ suite() {  # NAME SETTINGS... -- pytest arguments: run NAME's tests in its insta
     mapfile -d '' args < <(only_mcore "$@")
     set -- "${args[@]}"
   fi
-  "$py" -m pytest -q -p no:cacheprovider --timeout=900 --durations=15 "$@" || status=$?
+  local junit=()  # JUNIT_DIR: each suite's junit XML there (tools/suite_durations.py reads it)
+  [[ -z "${JUNIT_DIR:-}" ]] || { mkdir -p "$JUNIT_DIR"; junit=("--junitxml=$JUNIT_DIR/$name.xml"); }
+  "$py" -m pytest -q -p no:cacheprovider --timeout=900 --durations=15 ${junit[@]+"${junit[@]}"} "$@" || status=$?
   say "$name: pytest exited $status after $((SECONDS - started)) s"
   return "$status"
 }

@@ -5,17 +5,14 @@ import os
 import sys
 
 import pytest
+from reward_logs import write_rewards
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 import seed_report  # noqa: E402
 
-
-def _log(folder, values):
-    folder.mkdir(parents=True)
-    (folder / "metrics.jsonl").write_text("".join(json.dumps({"step": i + 1, "reward_mean": v}) + "\n"
-                                                  for i, v in enumerate(values)))
+_log = write_rewards
 
 
 def test_median_and_spread_odd_and_even():

@@ -52,15 +52,11 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Protocol, Sequence
 
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
-
 from . import configurable
 from .configurable import ANY_NUMBER, above, at_least, between, option
 from .errors import ConfigError
 from .tasks import get_task
 from .tasks.config import DataColumns, MathConfig, PromptConfig, SearchConfig
-from .tasks.data import MAX_JSON_DEPTH, DataFileError, json_too_deep, open_regular
 from .tasks.math_verifier import DEFAULT_TIMEOUT
 from .tasks.passk import default_ks, mean_pass_at_k
 
@@ -107,6 +103,8 @@ class EvalError(Exception):
 
 def read_responses(path: str, rows: Sequence[Mapping[str, Any]], n_samples: int) -> list[list[str]]:
     """Responses per loaded row (first ``n_samples`` of each), matched by index (see module doc)."""
+    from .tasks.data import DataFileError, open_regular  # datasets: not on --help's path
+
     if not os.path.exists(path):
         raise EvalError(f"responses file not found: {path}")
     try:
@@ -171,6 +169,8 @@ def read_responses(path: str, rows: Sequence[Mapping[str, Any]], n_samples: int)
 
 def _response_record(path: str, ln: int, raw: bytes) -> Optional[dict]:
     """One line of a responses file as a JSON object (None for a blank line)."""
+    from .tasks.data import MAX_JSON_DEPTH, json_too_deep
+
     try:
         line = raw.decode("utf-8").strip()
     except UnicodeDecodeError as e:
@@ -388,6 +388,9 @@ def _markdown(summary: dict, title: str) -> str:
 
 
 def _plot(summary: dict, path: str, title: str) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
     ks = summary["ks"]
     fig = Figure(figsize=(6, 4), dpi=100)
     FigureCanvasAgg(fig)

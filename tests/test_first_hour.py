@@ -114,3 +114,13 @@ def test_an_example_runs_the_projects_interpreter_whatever_python3_is(tmp_path):
     assert "the wrong python" not in r.stderr
     assert r.stdout.startswith("dry run: python -m emapg_megatron.evaluate --task math --data-path "
                                f"{os.path.join(ROOT, 'data', 'samples', 'math.jsonl')}")
+
+
+@pytest.mark.parametrize("module", ["emapg_megatron.evaluate", "emapg_megatron.checkpoint.cli"])
+def test_the_other_commands_help_loads_no_heavy_package(module):
+    probe = (f"import sys, contextlib, io\nfrom {module} import main\n"
+             "with contextlib.redirect_stdout(io.StringIO()):\n"
+             "    try:\n        main(['--help'])\n    except SystemExit:\n        pass\n"
+             f"print(sorted({{m.split('.')[0] for m in sys.modules}} & set({HEAVY + ('matplotlib',)!r})))")
+    r = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip().splitlines()[-1] == "[]", r.stdout + r.stderr

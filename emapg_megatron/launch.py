@@ -30,6 +30,7 @@ import os
 import signal
 import sys
 import tempfile
+import threading
 
 import psutil
 
@@ -245,17 +246,48 @@ def check_flags(trainer: list[str]):
         sys.exit(2)
 
 
+class InterruptsBeforeStart:
+    """Ctrl-C before the ranks start: a KeyboardInterrupt as usual, and remembered, because some of
+    megatron-core's imports swallow it (a bare ``except:`` around an optional import): :meth:`check`
+    raises it again once those imports are done. The ranks' start replaces it (StopRequests)."""
+
+    def __init__(self):
+        self.received = False
+
+    @contextlib.contextmanager
+    def installed(self):
+        """Ours for the block (in the main thread: the only one that can take a handler)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield self
+            return
+        previous = signal.signal(signal.SIGINT, self)
+        try:
+            yield self
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
+    def __call__(self, signum, frame) -> None:
+        self.received = True
+        raise KeyboardInterrupt
+
+    def check(self) -> None:
+        if self.received:
+            raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> None:
     try:
-        code = launch(list(sys.argv[1:] if argv is None else argv))
+        with InterruptsBeforeStart().installed() as interrupts:
+            code = launch(list(sys.argv[1:] if argv is None else argv), interrupts)
     except KeyboardInterrupt:  # Ctrl-C while the trainer's modules import (10-30 s under load)
         print("error: interrupted before training started", file=sys.stderr, flush=True)
         code = 130
     sys.exit(code)
 
 
-def launch(argv: list[str]) -> int:
+def launch(argv: list[str], interrupts: InterruptsBeforeStart | None = None) -> int:
     """Validate, then run the ranks (or, in one process, the trainer itself); the exit code."""
+    interrupts = interrupts or InterruptsBeforeStart()
     launcher, trainer = split_argv(argv)
     if "-h" in trainer or "--help" in trainer:
         print(help_text())
@@ -263,6 +295,7 @@ def launch(argv: list[str]) -> int:
     cfg = check_flags(trainer)
     from emapg_megatron import train
 
+    interrupts.check()
     if cfg.launch.dry_run and launcher and "LOCAL_RANK" not in os.environ \
             and "WORLD_SIZE" not in os.environ:
         with environment(WORLD_SIZE=str(world_size(launcher))):  # the layout the launch would have
@@ -276,7 +309,11 @@ def launch(argv: list[str]) -> int:
     # (the ranks delete it once they have read it: prompt_cache.release)
     with tempfile.TemporaryDirectory(prefix="emapg-prompts-", ignore_cleanup_errors=True) as cache:
         os.environ[CACHE_DIR_ENV] = cache  # validation loads the prompts once; the ranks read them
-        code = train.run_checked(lambda: validate(trainer, world_size(launcher)))
+        def checks() -> None:
+            validate(trainer, world_size(launcher))
+            interrupts.check()
+
+        code = train.run_checked(checks)
         return code or run_ranks(launcher, trainer, cfg.checkpoint.save)
 
 

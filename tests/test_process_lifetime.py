@@ -178,9 +178,49 @@ def test_ctrl_c_while_the_modules_import_is_one_line(tmp_path):
     proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        time.sleep(1.5)  # importing torch and Megatron takes seconds more
+        _wait_until_torch_loads(proc.pid)  # then torch and Megatron import (seconds more)
         os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C
         out, err = proc.communicate(timeout=120)
     finally:
         proc.kill()
     assert (proc.returncode, err.strip()) == (130, "error: interrupted before training started"), err
+
+
+def _wait_until_torch_loads(pid: int, timeout: float = 120.0) -> None:
+    """Until process ``pid`` has mapped libtorch: it is past its start, in the heavy imports."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                if "libtorch" in f.read():
+                    return
+        except OSError:
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"process {pid} did not load torch in {timeout} s")
+
+
+def test_ctrl_c_that_an_import_swallows_still_stops_before_any_rank(monkeypatch, capsys):
+    """megatron-core wraps optional imports in a bare ``except:``, which swallows the
+    KeyboardInterrupt of a Ctrl-C landing there: the launcher remembers the signal and stops
+    before starting any rank (the run used to train on, ignoring the Ctrl-C)."""
+    from emapg_megatron import launch
+
+    def swallowing_validate(trainer, world):
+        try:
+            os.kill(os.getpid(), signal.SIGINT)  # the handler runs at the next bytecode
+            time.sleep(0.2)
+        except:  # noqa: E722 - what those imports do
+            pass
+
+    def no_ranks(*_):
+        raise AssertionError("the ranks started after Ctrl-C")
+
+    monkeypatch.setattr(launch, "validate", swallowing_validate)
+    monkeypatch.setattr(launch, "run_ranks", no_ranks)
+    before = signal.getsignal(signal.SIGINT)
+    with pytest.raises(SystemExit) as e:
+        launch.main(["--nproc-per-node", "2", "--preset", "tiny-cpu"])
+    assert e.value.code == 130
+    assert capsys.readouterr().err.strip() == "error: interrupted before training started"
+    assert signal.getsignal(signal.SIGINT) is before  # the launcher's handler was for its run only

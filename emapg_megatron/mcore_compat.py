@@ -16,7 +16,13 @@ version themselves:
   checkpoint records the release that wrote it and a later release's is refused; and
   ``import megatron.core`` rebinds ``torch.storage._load_from_bytes`` to its
   ``safe_load_from_bytes``, the name pickles written under it then carry
-  (:data:`LOAD_FROM_BYTES`).
+  (:data:`LOAD_FROM_BYTES`);
+* Transformer Engine's absence (:data:`TE_GAPS_FILLED`): 0.16.1's ``moe_utils`` imports
+  ``te_general_gemm`` only when TE imports and never defines the name otherwise, so the MoE
+  router's ``router_gating_linear`` (which tests ``te_general_gemm is not None`` to choose the
+  ``torch.mm`` path) raises ``NameError`` without TE, on the CPU above all; 0.19 defines it as
+  ``None``. This module defines it as ``None`` the same way when it is missing (importing it is
+  enough: ``runtime.initialize`` does).
 
 Imported by modules that already import Megatron: it imports ``megatron.core`` itself.
 """
@@ -31,9 +37,25 @@ from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper 
     GPTInferenceWrapper,
 )
 from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.transformer.moe import moe_utils
 from packaging.version import InvalidVersion, Version
 
 VERSION = metadata.version("megatron-core")  # the installed one (setup.py: >=0.16.1,<0.20)
+
+# --- Transformer Engine's absence ---------------------------------------------------------------
+def _fill_te_gaps() -> tuple:
+    """Define as ``None`` the TE names a release leaves undefined without TE (what 0.19 does), so
+    its ``is not None`` tests take the torch path instead of raising ``NameError``. Returns the names
+    defined. The installed package's files are not changed: the module's globals are."""
+    filled = []
+    if not getattr(moe_utils, "HAVE_TE", False) and not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None  # 0.16.1: read by RouterGatingLinearFunction (MoE router)
+        filled.append("moe_utils.te_general_gemm")
+    return tuple(filled)
+
+
+#: The names :func:`_fill_te_gaps` defined at import (empty with TE, and on 0.19).
+TE_GAPS_FILLED = _fill_te_gaps()
 
 # --- inference ----------------------------------------------------------------------------------
 HAS_WRAPPER_CONFIG = not hasattr(GPTInferenceWrapper, "forward_pass_with_pipeline_parallel")

@@ -28,7 +28,9 @@ tensor but remembers which ones live on the emulated GPU, and raises
   rules for torch functions (rules 1-5), the limitations;
 * :mod:`.strict_backward`: the same in backward passes (gradients on the device);
 * :mod:`.collectives`: ``torch.distributed`` collectives refuse host tensors on
-  emulated NCCL groups, gloo groups exempt (rule 6).
+  emulated NCCL groups, gloo groups exempt (rule 6). (Its adaptations of calls that gloo
+  takes otherwise than NCCL, e.g. ``all_to_all_single``'s split sizes, are installed with
+  the plain mapping too.)
 
 Strict mode stays on for the rest of the process once installed. :mod:`.state`
 holds the layer's process-wide state.
@@ -67,6 +69,7 @@ def install(strict: bool | None = None) -> None:
         strict = strict_requested()
     if not state.installed:
         mapping.install()
+        collectives.install(check=False)  # the collectives gloo takes otherwise than NCCL
     if strict and state.strict_torch_function is None:
         collectives.install()
         strict_backward.install()

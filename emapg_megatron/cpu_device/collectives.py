@@ -1,14 +1,21 @@
-"""Strict mode's ``torch.distributed`` layer: wrappers around the collectives Megatron calls.
+"""CPU mode's ``torch.distributed`` layer: wrappers around the collectives Megatron calls.
 
-:func:`install` replaces each collective in ``torch.distributed`` (and in
+:func:`install` replaces collectives in ``torch.distributed`` (and in
 ``distributed_c10d``, and wherever a Megatron or emapg module imported before it
 keeps a reference) with a wrapper around the original. The wrappers are the one
 place where this layer meets ``torch.distributed``, so an adaptation of a call
-that gloo takes differently from NCCL belongs in them too (e.g. gloo's
-``all_to_all_single`` wants split sizes as lists, Megatron's MoE dispatcher
-passes tensors). They are installed with strict mode only: an adaptation the
-plain mapping needs as well means installing them from the plain install too,
-the check staying strict-only.
+that gloo takes differently from NCCL belongs in them too (:data:`_ADAPTATIONS`).
+The plain mapping installs the wrappers of the adapted collectives only
+(``install(check=False)``); strict mode installs all of them and turns the check
+below on for every wrapper, those installed before included.
+
+Adaptations (plain and strict):
+
+* ``all_to_all_single``: gloo's (the C++ binding's) split sizes must be sequences of
+  ints; Megatron's MoE ``alltoall`` token dispatcher passes 1-D tensors (it moves
+  them to numpy with ``.cpu().numpy()`` only when they are CUDA tensors, which they
+  are not on the CPU), and the binding refuses them ("incompatible function
+  arguments"). The wrapper passes them as lists of ints.
 
 Rule 6 of strict mode (:mod:`.strict_mode` has rules 1-5): ``torch.distributed``
 tensor collectives (all_reduce, all_gather(_into_tensor), reduce_scatter(_tensor),
@@ -49,6 +56,8 @@ _OBJECT_COLLECTIVES = (
     "all_gather_object", "gather_object", "broadcast_object_list", "scatter_object_list",
     "send_object_list", "recv_object_list",
 )
+#: name -> function adapting (args, kwargs) for gloo; its wrapper is installed by the plain mapping
+_ADAPTATIONS: dict = {}
 _host_groups: dict = {}  # id -> group (kept alive so the id stays unique)
 _dist_originals: dict = {}  # id(original) -> wrapper
 def register_host_groups(groups) -> None:
@@ -121,13 +130,38 @@ def _check_collective(name: str, sig, args, kwargs) -> None:
         raise _collective_error(name, group, host)
 
 
+def _split_sizes_as_lists(sig, args, kwargs):
+    """``all_to_all_single`` with its split sizes (tensor, numpy array, any sequence) as int lists."""
+    try:
+        bound = sig.bind(*args, **kwargs)
+    except TypeError:
+        return args, kwargs  # the original raises its own error
+    changed = False
+    for pname in ("output_split_sizes", "input_split_sizes"):
+        sizes = bound.arguments.get(pname)
+        if sizes is not None and not (isinstance(sizes, list)
+                                      and all(type(x) is int for x in sizes)):
+            if torch.is_tensor(sizes):
+                with torch._C.DisableTorchFunction():
+                    sizes = sizes.tolist()
+            bound.arguments[pname] = [int(x) for x in sizes]
+            changed = True
+    return (bound.args, bound.kwargs) if changed else (args, kwargs)
+
+
+_ADAPTATIONS["all_to_all_single"] = _split_sizes_as_lists
+
+
 def _wrap_collective(name: str, orig, check: bool):
     sig = inspect.signature(orig)
+    adapt = _ADAPTATIONS.get(name)
 
     @functools.wraps(orig)
     def wrapper(*args, **kwargs):
         depth = state.collective_depth()
-        if check and depth == 0:
+        if adapt is not None:
+            args, kwargs = adapt(sig, args, kwargs)
+        if check and state.strict_collectives and depth == 0:
             with torch._C.DisableTorchFunction():
                 _check_collective(name, sig, args, kwargs)
         state.set_collective_depth(depth + 1)
@@ -158,9 +192,17 @@ def _wrap_new_group(orig):
     return new_group
 
 
-def install() -> None:
-    """Wrap ``torch.distributed``'s collectives and ``new_group`` (idempotent)."""
-    for name in _TENSOR_COLLECTIVES + _OBJECT_COLLECTIVES + ("new_group",):
+def install(check: bool = True) -> None:
+    """Wrap ``torch.distributed``'s collectives and ``new_group`` (idempotent); ``check=False``
+    (the plain mapping) wraps only the collectives gloo needs adapted, and checks nothing.
+
+    ``check=True`` turns strict mode's check (rule 6) on for the rest of the process, in the
+    wrappers a plain install put in place too."""
+    names = (_TENSOR_COLLECTIVES + _OBJECT_COLLECTIVES + ("new_group",) if check
+             else tuple(_ADAPTATIONS))
+    if check:
+        state.strict_collectives = True
+    for name in names:
         orig = getattr(c10d, name, None)
         if orig is None or hasattr(orig, "_emapg_original"):
             continue

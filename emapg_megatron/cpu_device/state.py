@@ -15,6 +15,10 @@ installed = False
 # None under the plain mapping. CudaToCpuMode hands each call to it. Set once, never cleared.
 strict_torch_function = None
 
+# Strict mode's check of torch.distributed collectives (rule 6) is on (collectives.install with
+# check=True). The wrappers also carry gloo adaptations, installed by the plain mapping too.
+strict_collectives = False
+
 _thread = threading.local()
 
 

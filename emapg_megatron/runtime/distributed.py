@@ -34,6 +34,8 @@ def _env_int(name: str, default: int) -> int:
 def initialize(cfg: ParallelConfig, seed: int = 1234) -> None:
     """Initialise torch.distributed (from torchrun's env vars) and Megatron's parallel_state, and
     seed the model-parallel RNG with ``seed``."""
+    from emapg_megatron import mcore_compat  # noqa: F401  (fills the release's gaps without TE)
+
     world_size = _env_int("WORLD_SIZE", 1)
     cfg.validate(world_size)
     device, backend = cfg.resolved_device(), cfg.resolved_backend()

@@ -285,9 +285,8 @@ def main(argv: list[str] | None = None) -> None:
     sys.exit(code)
 
 
-def launch(argv: list[str], interrupts: InterruptsBeforeStart | None = None) -> int:
+def launch(argv: list[str], interrupts: InterruptsBeforeStart) -> int:
     """Validate, then run the ranks (or, in one process, the trainer itself); the exit code."""
-    interrupts = interrupts or InterruptsBeforeStart()
     launcher, trainer = split_argv(argv)
     if "-h" in trainer or "--help" in trainer:
         print(help_text())
@@ -296,19 +295,20 @@ def launch(argv: list[str], interrupts: InterruptsBeforeStart | None = None) -> 
     from emapg_megatron import train
 
     interrupts.check()
-    if cfg.launch.dry_run and launcher and "LOCAL_RANK" not in os.environ \
-            and "WORLD_SIZE" not in os.environ:
-        with environment(WORLD_SIZE=str(world_size(launcher))):  # the layout the launch would have
-            train.main(trainer)
-        return 0
     if cfg.launch.dry_run or not launcher or "LOCAL_RANK" in os.environ:
-        train.main(trainer)  # one process (a dry run, or a rank torchrun started): the trainer itself
+        # one process (a dry run, or a rank torchrun started): the trainer itself; the dry run of a
+        # launch checks the layout that launch would have
+        layout = ({"WORLD_SIZE": str(world_size(launcher))} if cfg.launch.dry_run and launcher
+                  and "LOCAL_RANK" not in os.environ and "WORLD_SIZE" not in os.environ else {})
+        with environment(**layout):
+            train.main(trainer)
         return 0
     from emapg_megatron.training.prompt_cache import CACHE_DIR_ENV
 
     # (the ranks delete it once they have read it: prompt_cache.release)
     with tempfile.TemporaryDirectory(prefix="emapg-prompts-", ignore_cleanup_errors=True) as cache:
         os.environ[CACHE_DIR_ENV] = cache  # validation loads the prompts once; the ranks read them
+
         def checks() -> None:
             validate(trainer, world_size(launcher))
             interrupts.check()

@@ -233,14 +233,17 @@ def load_training_prompts(task, data_path: Optional[str], tokenizer, *, seq_leng
                                       else f"more than {max_chars} characters") for k in over}
     sizes.update((i, f"a row of {n} bytes") for i, n in loaded.too_large)
     what = (f"longer than --seq-length {seq_length} - {budget_flag} {budget} = {limit} tokens")
-    known = [lengths[k] for k in over if lengths[k] is not None]
+    known = [k for k in over if lengths[k] is not None]  # those encoded: their length in tokens
     if len(known) == len(sizes):  # every size known: the settings that fit them all
-        fits = _what_fits(max(known), seq_length, budget, budget_flag)
+        fits = _what_fits(max(lengths[k] for k in known), seq_length, budget, budget_flag)
     else:  # a row too large to encode: its length in tokens is not known
         fits = f"{'shorten them, raise' if from_file else 'raise'} --seq-length or lower {budget_flag}"
     if len(sizes) == total:
-        k = min((j for j in over if lengths[j] is not None), key=lambda j: lengths[j]) if known else None
-        i = _row_index(rows[k], k) if known else min(sizes)
+        if known:
+            k = min(known, key=lambda j: lengths[j])
+            i = _row_index(rows[k], k)
+        else:
+            i = min(sizes)
         raise ConfigError(f"all {total} prompts in {source} are {what} (shortest: 0-based row "
                           f"{i}, {sizes[i]}); {fits}")
     first = f"first: 0-based row {min(sizes)}, {sizes[min(sizes)]}"

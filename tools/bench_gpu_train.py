@@ -67,6 +67,7 @@ def trainer_argv(a, log_dir: str) -> list[str]:
         "--micro-batch-size", str(a.micro_batch_size), "--global-batch-size", str(a.global_batch_size),
         "--lr", "1e-6", "--kl-loss-type", "topk-reverse", "--kl-topk-tokens", str(a.kl_topk_tokens),
         "--ema-eta", "0.9", "--ema-update-period", "1", "--log-interval", "1", "--log-dir", log_dir,
+        *(["--fp8-format", a.fp8_format] if a.fp8_format else []),
     ]
 
 
@@ -121,6 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kl-topk-tokens", type=int, default=32)
     p.add_argument("--transformer-impl", default="auto", choices=("auto", "local", "transformer_engine"),
                    help="the trainer's layer implementation (auto: Transformer Engine when it imports)")
+    p.add_argument("--fp8-format", default=None, choices=("e4m3", "hybrid"),
+                   help="FP8 GEMMs through Transformer Engine (the trainer's flag; needs the TE spec)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds for the trainer run (then killed)")
     p.add_argument("--dry-run", action="store_true", help="print the plan and the trainer command, run nothing")
     return p
@@ -137,7 +140,7 @@ def main(argv=None) -> int:
     argv_train = trainer_argv(a, log_dir)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port",
            str(free_port()), "-m", "emapg_megatron.train", *argv_train]
-    result = {"benchmark": "trainer_qwen2.5-0.5b_shapes_bf16",
+    result = {"benchmark": "trainer_qwen2.5-0.5b_shapes_" + (f"fp8_{a.fp8_format}" if a.fp8_format else "bf16"),
               "model": {**QWEN25_05B, "params": param_count(QWEN25_05B), "init": "random"},
               "config": {k: v for k, v in vars(a).items() if k not in ("out", "dry_run")},
               "trainer_argv": argv_train}

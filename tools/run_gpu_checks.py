@@ -20,6 +20,28 @@ command ends within 10 minutes on one H100):
 
 then ``summary.json`` and a printed summary. Exit status 1 if a stage failed or a test failed
 (skipped tests are fine: they say which optional package is missing). Works offline.
+
+On the project's lent GPU machine (15 minutes of machine time in all, one transfer of at most
+64 MiB per command; docs/dev/gpu_kit.md) the same driver runs one **phase** per command, most
+valuable figures first, each stage's limit cut to what is left of ``--budget``:
+
+    python3 tools/run_gpu_checks.py OUT --phase mcore --budget 330 --bundle "$OUT"
+    python3 tools/run_gpu_checks.py OUT --phase te --budget 240 --bundle "$OUT"
+
+* ``mcore``: install megatron-core from ``.gpukit-mcore`` (``kit.py install --only mcore``), env, the
+  CUDA-graph test of the fixed-shape decode step, the three decode paths at the Qwen2.5-0.5B shape
+  (128 x 1,024 tokens; ms per step at batch 1/16/128), a bf16 local-spec trainer benchmark, then the
+  rest of the GPU test set;
+* ``te``: install Transformer Engine (its folders, the kept built extension), env, the TE-spec and
+  FP8 trainer benchmarks (the local-spec one of ``mcore`` is their baseline on the same machine),
+  the TE/FP8/THD GPU tests;
+* ``vllm``: install vLLM, env, the vLLM GPU test.
+
+A stage that needs a package whose install failed is skipped, saying so. ``--bundle DIR`` puts
+``summary_<phase>.json`` (every stage's JSON inline) and ``<phase>.tar.gz`` (JSON, JUnit, logs)
+in DIR, rewritten after every stage (the machine returns at most 8 files). ``--rehearse`` runs
+each stage's CPU stand-in instead (tiny shapes, ``--collect-only``, ``--dry-run``, no install):
+the suite runs every phase so, so that on the GPU only the GPU is unknown.
 """
 
 from __future__ import annotations
@@ -70,6 +92,12 @@ class Stage:
     timeout_s: float
     argv: list = field(default_factory=list)  # {out} is replaced by the output directory
     result: str = ""  # the JSON file the stage writes, under {out}
+    kind: str = ""  # how its result is judged and summarised (default: its name)
+    rehearse: list | None = None  # the CPU stand-in of argv (--rehearse); None: nothing to run
+    needs: str | None = None  # the kit group whose install this stage needs
+
+    def __post_init__(self):
+        self.kind = self.kind or self.name
 
 
 def stages(python: str = sys.executable, pytest_timeout_plugin: bool = True) -> list[Stage]:
@@ -99,6 +127,70 @@ def stages(python: str = sys.executable, pytest_timeout_plugin: bool = True) -> 
     ]
 
 
+KIT = "tools/gpu_install/kit.py"
+SITE = "/tmp/site"  # where kit.py install puts the carried packages
+DECODE_ARGS = ["--compare-decoders", "--model", "qwen2.5-0.5b", "--bf16", "--batch", "128", "--prompt", "64",
+               "--lengths", "1024", "--step-batches", "1,16,128", "--step-tokens", "64"]
+DECODE_REHEARSAL = ["--compare-decoders", "--batch", "4", "--prompt", "8", "--lengths", "16",
+                    "--step-batches", "1,4", "--step-tokens", "8"]
+NOT_REHEARSED = "rehearsal: not run on a CPU"
+PHASE_GROUP = {"mcore": "mcore", "te": "te", "vllm": "vllm"}
+
+
+def phase_stages(phase: str, python: str = sys.executable, pytest_timeout_plugin: bool = True) -> list[Stage]:
+    """The stages of one command on the lent machine (``phase``), most valuable first."""
+    def pytest_stage(name, what, limit, selection, needs):
+        argv = [python, "-m", "pytest", "-m", "gpu", *selection, "-q", "-rs", "-p", "no:cacheprovider",
+                "--junitxml", f"{{out}}/{name}.xml", "-o", "junit_family=xunit2"]
+        if pytest_timeout_plugin:
+            argv += ["--timeout", str(int(limit) - 10)]
+        return Stage(name, what, limit, argv, f"{name}.json", kind="tests", needs=needs,
+                     rehearse=argv[:5] + selection + ["--collect-only", "-q", "-p", "no:cacheprovider"])
+
+    def train_stage(name, what, limit, impl, extra=()):
+        argv = [python, "tools/bench_gpu_train.py", "--out", f"{{out}}/{name}.json", "--steps", "8", "--warmup", "2",
+                "--transformer-impl", impl, *extra, "--timeout", str(int(limit) - 15)]
+        return Stage(name, what, limit, argv, f"{name}.json", kind="bench_train", needs=PHASE_GROUP[phase],
+                     rehearse=argv + ["--work-dir", "{out}/work", "--dry-run"])
+
+    group = PHASE_GROUP[phase]
+    install = Stage("install", f"kit.py install --only {group}: the carried {group} packages into {SITE}", 120,
+                    [python, KIT, "install", "--only", group, "--target", SITE], "install.json")
+    env = Stage("env", "versions of torch, CUDA, the GPU, Megatron-Core, TE, vLLM", 30,
+                [python, "-c", ENV_PROBE, "{out}/env.json"], "env.json", needs=group,
+                rehearse=[python, "-c", ENV_PROBE, "{out}/env.json"])
+    if phase == "mcore":
+        decode = [python, "tools/bench_rollout.py", "--device", "cuda", *DECODE_ARGS, "--out", "{out}/bench_decode.json"]
+        return [install, env,
+                pytest_stage("test_graphs", "CUDA graphs of the fixed-shape decode step vs eager (and reused "
+                             "after an in-place weight update)", 90,
+                             ["tests/gpu/test_static_decode_gpu.py"], group),
+                Stage("bench_decode", "decode paths at the Qwen2.5-0.5B shape, bf16: graphs / fixed-shape eager "
+                      "/ lockstep, 128 x 1024 tokens; ms per step at batch 1/16/128", 150, decode,
+                      "bench_decode.json", needs=group,
+                      rehearse=[python, "tools/bench_rollout.py", "--device", "cpu", *DECODE_REHEARSAL,
+                                "--out", "{out}/bench_decode.json"]),
+                train_stage("bench_train_local", "8 bf16 trainer steps, local spec, Qwen2.5-0.5B shapes", 110,
+                            "local"),
+                pytest_stage("gpu_tests", "the rest of the GPU test set", 200,
+                             ["tests/gpu", "--deselect",
+                              "tests/gpu/test_static_decode_gpu.py::test_replayed_graph_samples_what_the_eager_step_samples",
+                              "-k", "not transformer_engine and not fp8 and not vllm"], group)]
+    if phase == "te":
+        return [install, env,
+                train_stage("bench_train_te", "8 bf16 trainer steps, Transformer Engine spec", 110,
+                            "transformer_engine"),
+                train_stage("bench_train_fp8", "8 FP8 (hybrid, delayed scaling) trainer steps, TE spec", 110,
+                            "transformer_engine", ("--fp8-format", "hybrid")),
+                pytest_stage("te_tests", "TE spec vs HF logits, THD packing vs padded, FP8 trainer steps", 200,
+                             ["tests/gpu/test_gpu_optional.py", "-k", "transformer_engine or fp8"], group)]
+    if phase == "vllm":
+        return [install, env,
+                pytest_stage("vllm_tests", "vLLM rollout engine: weight sync, sleep/wake, log-prob agreement", 300,
+                             ["tests/gpu/test_gpu_optional.py", "-k", "vllm"], group)]
+    raise ValueError(f"unknown phase {phase!r}")
+
+
 def fill(argv: list, out: str) -> list:
     return [a.replace("{out}", out) for a in argv]
 
@@ -123,10 +215,11 @@ def junit_to_json(xml_path: str) -> dict:
 
 
 # --- running ------------------------------------------------------------------------------------
-def child_env() -> dict:
-    """This process's environment, offline, with the repository importable."""
+def child_env(site: str | None = None) -> dict:
+    """This process's environment, offline, with the repository (and ``site``, the kit's
+    packages) importable."""
     env = dict(os.environ, **OFFLINE_ENV)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, site, os.environ.get("PYTHONPATH")) if p)
     return env
 
 
@@ -148,17 +241,23 @@ def run_logged(argv: list, log_path: str, timeout_s: float, env: dict):
             return "timeout"
 
 
-def run_stage(stage: Stage, out: str, timeout_s: float) -> dict:
+def run_stage(stage: Stage, out: str, timeout_s: float, argv: list | None = None,
+              site: str | None = None) -> dict:
     log_path = os.path.join(out, f"{stage.name}.log")
     t0 = time.monotonic()
-    rc = run_logged(fill(stage.argv, out), log_path, timeout_s, child_env())
+    rc = run_logged(fill(argv or stage.argv, out), log_path, timeout_s, child_env(site))
     res = {"stage": stage.name, "returncode": rc, "seconds": round(time.monotonic() - t0, 1),
            "timeout_s": round(timeout_s, 1), "log": log_path}
-    if stage.name == "tests":
-        xml = os.path.join(out, "pytest.xml")
+    if stage.kind == "tests":
+        xml = os.path.join(out, stage.result[:-len(".json")] + ".xml")
         if os.path.exists(xml):
-            with open(os.path.join(out, "pytest.json"), "w", encoding="utf-8") as f:
+            with open(os.path.join(out, stage.result), "w", encoding="utf-8") as f:
                 json.dump(junit_to_json(xml), f, indent=1)
+    elif stage.kind == "install":
+        with open(log_path, encoding="utf-8", errors="replace") as f:
+            tail = f.read()[-4000:]
+        with open(os.path.join(out, stage.result), "w", encoding="utf-8") as f:
+            json.dump({"returncode": rc, "seconds": res["seconds"], "log_tail": tail}, f, indent=1)
     return res
 
 
@@ -170,27 +269,37 @@ def load(path: str):
         return None
 
 
-def stage_ok(res: dict, data) -> bool:
-    if res["returncode"] != 0 or data is None:
+def stage_ok(res: dict, data, kind: str | None = None, rehearsal: bool = False) -> bool:
+    kind = kind or res["stage"]
+    if rehearsal and res["returncode"] == NOT_REHEARSED:
+        return True
+    if res["returncode"] != 0 or (data is None and not rehearsal):
         return False
-    if res["stage"] == "env":
+    if rehearsal:
+        return True  # the stand-in ran; nothing of the GPU's is judged
+    if kind == "env":
         return bool(data.get("cuda_available"))  # the GPU check on a machine without one fails here
-    if res["stage"] == "tests":
+    if kind == "tests" and res["stage"] != "tests":
+        c = data["counts"]
+        return c["failed"] == 0 and c["error"] == 0 and c["passed"] >= 1
+    if kind == "tests":
         c = data["counts"]
         return c["failed"] == 0 and c["error"] == 0 and data["total"] >= 8 and c["passed"] >= 1
     return True
 
 
-def summarize(out: str, results: list[dict]) -> dict:
+def summarize(out: str, results: list[dict], plan: list[Stage] | None = None, rehearsal: bool = False) -> dict:
     summary = {"out_dir": out, "stages": []}
     for res in results:
-        stage = next(s for s in stages() if s.name == res["stage"])
+        stage = next(s for s in (plan or stages()) if s.name == res["stage"])
         data = load(os.path.join(out, stage.result))
-        entry = {**res, "ok": stage_ok(res, data), "result": stage.result}
-        if res["stage"] == "env" and data:
+        entry = {**res, "ok": stage_ok(res, data, stage.kind, rehearsal), "result": stage.result}
+        if plan is not None:
+            entry["data"] = data  # inline: the bundle's one file holds every figure
+        if stage.kind == "env" and data:
             entry["highlights"] = {k: data.get(k) for k in ("gpu", "torch", "cuda", "megatron-core",
                                                               "transformer-engine", "vllm")}
-        elif res["stage"] == "tests" and data:
+        elif stage.kind == "tests" and data:
             entry["highlights"] = {**data["counts"], "total": data["total"],
                                    "not_passed": {t["id"]: f"{t['outcome']}: {t['message'][:300]}"
                                                   for t in data["tests"] if t["outcome"] != "passed"}}
@@ -202,7 +311,12 @@ def summarize(out: str, results: list[dict]) -> dict:
                                           if r.get("peak_mem_bytes") is not None else None,
                                           "hbm_fraction": r.get("hbm_fraction"),
                                           "grad_err": r.get("max_abs_grad_err")} for r in data["rows"]}}
-        elif res["stage"] == "bench_train" and data:
+        elif stage.kind == "bench_decode" and data:
+            entry["highlights"] = {"tokens_per_s": {r["path"]: r["tokens_per_s"] for r in data["rows"]},
+                                   "step_ms": data["step_ms"], "ratios": data.get("ratios"),
+                                   "same_tokens_as_fixed": data.get("same_tokens_as_fixed"),
+                                   "complete": data.get("complete")}
+        elif stage.kind == "bench_train" and data:
             s = data.get("summary") or {}
             entry["highlights"] = {
                 "steps_logged": data.get("steps_logged"),
@@ -229,16 +343,42 @@ def print_summary(summary: dict) -> None:
     print(f"overall: {'ok' if summary['ok'] else 'FAILED'}; files in {summary['out_dir']}")
 
 
+def bundle(summary: dict, out: str, dest: str, phase: str) -> None:
+    """``summary_<phase>.json`` and ``<phase>.tar.gz`` (everything under ``out``) in ``dest``,
+    each written whole under a temporary name first."""
+    import tarfile
+
+    os.makedirs(dest, exist_ok=True)
+    path = os.path.join(dest, f"summary_{phase}.json")
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        json.dump(summary, f, indent=1)
+    os.replace(path + ".tmp", path)
+    tar = os.path.join(dest, f"{phase}.tar.gz")
+    with tarfile.open(tar + ".tmp", "w:gz") as t:
+        t.add(out, arcname=phase, filter=lambda info: None if info.name.endswith(("/work", "/bench_train"))
+              else info)
+    os.replace(tar + ".tmp", tar)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("out_dir", nargs="?", default=DEFAULT_OUT, help=f"where the JSON goes (default {DEFAULT_OUT})")
+    p.add_argument("--phase", choices=("all", *PHASE_GROUP), default="all",
+                   help="all: every stage, on a node that has its packages; mcore/te/vllm: one command on "
+                        "the lent GPU machine, installing that kit group first")
     p.add_argument("--dry-run", action="store_true", help="print the stages and their commands, run nothing")
+    p.add_argument("--rehearse", action="store_true",
+                   help="run each stage's CPU stand-in (tiny shapes, collect-only, dry runs; no install)")
+    p.add_argument("--bundle", default=None, help="also write summary_<phase>.json and <phase>.tar.gz here, "
+                                                  "after every stage")
     p.add_argument("--only", nargs="+", default=None, help="run only these stages")
     p.add_argument("--budget", type=float, default=TOTAL_BUDGET_S, help="seconds for all stages together")
     a = p.parse_args(argv)
     import importlib.util
 
-    plan = stages(pytest_timeout_plugin=importlib.util.find_spec("pytest_timeout") is not None)
+    timeout_plugin = importlib.util.find_spec("pytest_timeout") is not None
+    plan = stages(pytest_timeout_plugin=timeout_plugin) if a.phase == "all" else \
+        phase_stages(a.phase, pytest_timeout_plugin=timeout_plugin)
     names = [s.name for s in plan]
     unknown = sorted(set(a.only or []) - set(names))
     if unknown:
@@ -246,24 +386,37 @@ def main(argv=None) -> int:
     plan = [s for s in plan if a.only is None or s.name in a.only]
     out = os.path.abspath(a.out_dir)
     if a.dry_run:
-        print(json.dumps({"out_dir": out, "budget_s": a.budget, "stages": [
+        print(json.dumps({"out_dir": out, "phase": a.phase, "budget_s": a.budget, "stages": [
             {"name": s.name, "what": s.what, "timeout_s": s.timeout_s, "writes": s.result,
-             "command": fill(s.argv, out)} for s in plan]}, indent=1))
+             "command": fill(s.argv, out), "rehearsal": fill(s.rehearse, out) if s.rehearse else None}
+            for s in plan]}, indent=1))
         return 0
     os.makedirs(out, exist_ok=True)
     deadline = time.monotonic() + a.budget
-    results = []
+    site = SITE if a.phase != "all" and not a.rehearse else None
+    results, failed_install = [], None
     for s in plan:
         left = deadline - time.monotonic()
+        skip = None
         if left < 5:
-            results.append({"stage": s.name, "returncode": "no time left", "seconds": 0.0, "timeout_s": 0.0,
-                            "log": None})
-            continue
-        print(f"--- {s.name}: {s.what} (limit {min(s.timeout_s, left):.0f}s)", flush=True)
-        results.append(run_stage(s, out, min(s.timeout_s, left)))
-    summary = summarize(out, results)
-    with open(os.path.join(out, "summary.json"), "w", encoding="utf-8") as f:
-        json.dump(summary, f, indent=1)
+            skip = "no time left"
+        elif s.needs and s.needs == failed_install:
+            skip = f"skipped: the {s.needs} install failed"
+        elif a.rehearse and s.rehearse is None:
+            skip = NOT_REHEARSED
+        if skip:
+            results.append({"stage": s.name, "returncode": skip, "seconds": 0.0, "timeout_s": 0.0, "log": None})
+        else:
+            print(f"--- {s.name}: {s.what} (limit {min(s.timeout_s, left):.0f}s)", flush=True)
+            results.append(run_stage(s, out, min(s.timeout_s, left), s.rehearse if a.rehearse else None, site))
+            if s.kind == "install" and results[-1]["returncode"] != 0:
+                failed_install = PHASE_GROUP[a.phase]
+        summary = summarize(out, results, plan if a.phase != "all" else None, a.rehearse)
+        summary.update(phase=a.phase, rehearsal=a.rehearse, budget_s=a.budget)
+        with open(os.path.join(out, "summary.json"), "w", encoding="utf-8") as f:
+            json.dump(summary, f, indent=1)
+        if a.bundle:
+            bundle(summary, out, a.bundle, a.phase)
     print_summary(summary)
     return 0 if summary["ok"] else 1
 

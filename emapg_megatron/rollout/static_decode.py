@@ -245,6 +245,13 @@ class StaticDecoder:
     def free(self, slot: int) -> None:
         self.live[slot] = 0
 
+    def reset(self) -> None:
+        """Free every slot: the decoder, its cache and its captured graphs serve another generate
+        call (the graphs read the weights where they are, so an in-place update is seen)."""
+        self.live.zero_()
+        self.lengths.zero_()
+        self.fed = [0] * self.slots
+
     def step(self, live: list[int], uniforms: list[float]) -> tuple[list[int], list[float]]:
         """One decode step of the live slots (ascending): their sampled ids and log-probs."""
         n = bucket_for(live[-1], self.buckets)

@@ -65,7 +65,9 @@ def sample_fixed_shape_te_like(ckpt: str, shape: dict | None = None):
 
 def graphs_against_eager():
     """On a GPU: the same slots fed the same prompts, then decoded eagerly and by replaying the
-    captured graphs (buckets 1, 2, 4: three live slots of four run in bucket 4)."""
+    captured graphs (buckets 1, 2, 4: three live slots of four run in bucket 4); then the weights
+    change in place (as the optimizer and the EMA swap change them), the graphed decoder is reset
+    and replays again, against a fresh eager decoder on the new weights."""
     import torch
     from kv_cache_workers import TINY
 
@@ -77,14 +79,25 @@ def graphs_against_eager():
     model = build_for_this_rank(ModelConfig(**TINY, tie_word_embeddings=True, qk_layernorm=True,
                                             add_qkv_bias=True))
     model.eval()
+
+    def decoder(graphs):
+        return StaticDecoder(model, 4, TINY["max_position_embeddings"], TINY["vocab_size"], 1.0, 1.0,
+                             cuda_graphs=graphs)
+
+    def sample(dec):
+        first = dec.extend([0, 1, 2], [PROMPTS[s] for s in range(3)], [0] * 3, [0.3 + 0.1 * s for s in range(3)])
+        steps = [dec.step([0, 1, 2], [((7 * t + s) % 10) / 10 + 0.05 for s in range(3)]) for t in range(12)]
+        return {"first": first, "steps": steps}
+
     out = {}
     with torch.no_grad():
-        for graphs in (False, True):
-            dec = StaticDecoder(model, 4, TINY["max_position_embeddings"], TINY["vocab_size"], 1.0, 1.0,
-                                cuda_graphs=graphs)
-            first = dec.extend([0, 1, 2], [PROMPTS[s] for s in range(3)], [0] * 3, [0.3 + 0.1 * s for s in range(3)])
-            steps = [dec.step([0, 1, 2], [((7 * t + s) % 10) / 10 + 0.05 for s in range(3)]) for t in range(12)]
-            out["graphs" if graphs else "eager"] = {"first": first, "steps": steps}
-            if graphs:
-                out["buckets"], out["memory"] = sorted(dec.graphs.graphs), dec.graphs.memory_bytes
+        out["eager"] = sample(decoder(False))
+        graphed = decoder(True)
+        out["graphs"] = sample(graphed)
+        out["buckets"], out["memory"] = sorted(graphed.graphs.graphs), graphed.graphs.memory_bytes
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+        graphed.reset()
+        out["graphs_after_update"] = sample(graphed)
+        out["eager_after_update"] = sample(decoder(False))
     return out

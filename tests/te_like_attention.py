@@ -5,7 +5,9 @@
 TE does with them: causal softmax attention per packed segment under THD ``packed_seq_params``,
 causal attention for ``AttnMaskType.causal``, none for ``no_mask`` (Megatron's choice once a KV
 cache holds earlier tokens), and, as TE under those mask types, it ignores an explicit
-``attention_mask``. It is not Megatron's ``DotProductAttention``, so the project treats the model
+``attention_mask``. It also refuses what TE 2.11's ``get_qkv_layout`` refuses for separate q, k and v:
+keys or values that still start past the beginning of their storage once made contiguous (a
+contiguous slice of Megatron's static KV cache at a row offset: one position of rows ``a..b``). It is not Megatron's ``DotProductAttention``, so the project treats the model
 as a TE model (``models.gpt.has_local_attention`` is False). Everything around it is production.
 """
 
@@ -38,6 +40,8 @@ class TELikeAttention(MegatronModule):
             TELikeAttention.calls["thd"] += 1
             out = torch.cat([self._attend(query[a:b], key[a:b], value[a:b], True) for a, b in zip(cu, cu[1:])])
             return out.reshape(out.shape[0], -1)
+        if any(t.contiguous().storage_offset() for t in (key, value)):
+            raise RuntimeError("The provided qkv memory layout is not supported!")  # TE's words
         kind = attn_mask_type or self.attn_mask_type
         assert kind in (AttnMaskType.causal, AttnMaskType.no_mask), kind
         # no mask over several new tokens lets each see the later ones: wrong under TE

@@ -44,11 +44,12 @@ class SamplerConfig:
     --inference-max-requests slots x --seq-length per layer, each slot at its own length, attention
     under a length mask, every waiting prefill in one forward, sampling on the device) instead of
     Megatron-Core's static context; the same samples. Default: on with --partial-rollouts (it
-    prefills a carried sequence in one forward), else off (it has not yet run on a GPU)."""
+    prefills a carried sequence in one forward), else off. On a GPU it replays CUDA graphs: 8x the
+    default path's tokens/s on an H100 (local spec; it has not yet run on the TE spec there)."""
     cuda_graphs: bool | None = option(None, flag="--inference-cuda-graphs", negatable=True)
     """With the fixed-shape decode step on a GPU at pipeline size 1: capture the step once per
-    batch-size bucket as a CUDA graph and replay it (prefills stay eager). Default: on there when
-    --inference-fixed-shape-decode is given, off when only --partial-rollouts turned the step on."""
+    batch-size bucket as a CUDA graph and replay it (prefills stay eager). Default: on there
+    (on an H100, 6.3x the eager step's tokens/s at the Qwen2.5-0.5B shape; BENCHMARKS.md)."""
     continuous_batching: bool = option(True, flag="--inference-continuous-batching", negatable=True)
     """With the fixed-shape decode step: a slot whose sequence finishes takes the next waiting
     sequence at once (continuous batching); --no-inference-continuous-batching refills the slots
@@ -68,11 +69,9 @@ class SamplerConfig:
         """This config with its defaults decided: the fixed-shape step on exactly with partial
         rollouts unless given (its slots prefill a carried sequence in one forward, where the
         lockstep context re-feeds it a token per forward: docs/partial_rollouts.md); its CUDA
-        graphs off unless given when only partial rollouts turned the step on (they have not yet
-        run on a GPU), else left to the machine (None: wherever the step runs on a GPU at PP=1)."""
+        graphs left to the machine unless given (None: wherever the step runs on a GPU at PP=1)."""
         fixed = partial_rollouts if self.fixed_shape is None else self.fixed_shape
-        graphs = False if self.cuda_graphs is None and self.fixed_shape is None else self.cuda_graphs
-        return replace(self, fixed_shape=fixed, cuda_graphs=graphs)
+        return replace(self, fixed_shape=fixed)
 
     def validate(self) -> None:
         check_fields(self)

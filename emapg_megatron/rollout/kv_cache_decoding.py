@@ -143,7 +143,12 @@ class CachedForward:
         inner = model.module if isinstance(model, DistributedDataParallel) else model
         self.wrapper = mcore_compat.gpt_inference_wrapper(inner, self.context, cfg, _output_size(model))
         # TE drops a mask at an offset; Megatron's fused masked softmax takes only square scores.
-        self.chunks_after_prefill = has_local_attention(model) and not cfg.masked_softmax_fusion
+        local = has_local_attention(model)
+        self.chunks_after_prefill = local and not cfg.masked_softmax_fusion
+        # A one-position forward at a row offset gives TE a contiguous cache slice that does not
+        # start its storage, which TE's layout check refuses ("qkv memory layout is not
+        # supported", seen on an H100): under TE such forwards (one position per row) run whole.
+        self.split_single_positions = local
         self.rows_fed: list[int] = []  # rows per forward: finished rows cost nothing
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor | None:
@@ -160,7 +165,8 @@ class CachedForward:
         # cache and Megatron's shared attention buffer ordinary tensors for the training passes.
         # With PP=1 these forwards have no pipeline neighbours. A prefill of many rows runs in
         # micro-batches of rows, which bounds its activation memory.
-        if self.max_forward_tokens and tokens.numel() > self.max_forward_tokens:
+        if self.max_forward_tokens and tokens.numel() > self.max_forward_tokens and (
+                offset + width > 1 or self.split_single_positions):
             return self.forward_in_row_batches(inputs)
         return self._last_logits(inputs)
 

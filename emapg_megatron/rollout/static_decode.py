@@ -281,6 +281,10 @@ class DecodeGraphs:
     def __init__(self, step, buckets: list[int]):
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         pool = torch.cuda.graph_pool_handle()
+        # capture empties the allocator's cache first: measure from and to an empty cache (else
+        # the figure can come out negative, as it did on an H100)
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
         before = torch.cuda.memory_reserved()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -294,6 +298,7 @@ class DecodeGraphs:
                 step(n)
             self.graphs[n] = graph
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()
         self.memory_bytes = torch.cuda.memory_reserved() - before
 
     def replay(self, n: int) -> None:

@@ -240,6 +240,20 @@ def sample_both_paths_te_like(ckpt: str):
     return out
 
 
+def split_one_token_prefill_te_like(ckpt: str):
+    """Under TE-like attention, sampling whose prefill is one position per row (a one-token
+    prompt is the shortest) with forwards over ``SPLIT // 4`` tokens split into row micro-batches:
+    the samples of the unsplit run (TE refuses a one-position cache slice at a row offset, so
+    that forward runs whole)."""
+    from te_like_attention import use_te_like_attention
+
+    use_te_like_attention()
+    model = _model(ckpt, False)
+    prompts, seq_index = [[5], *PROMPTS[1:]], list(range(len(PROMPTS) * N))
+    return {"split": _generate(_sampler(model, True, max_forward_tokens=SPLIT // 4), prompts, seq_index),
+            "whole": _generate(_sampler(model, True), prompts, seq_index)}
+
+
 def assert_same_samples(a: dict, b: dict, atol: float) -> None:
     """Two sampling runs drew the same tokens (responses, or tokens and loss masks) with the same
     log-probs within ``atol``."""

@@ -18,6 +18,7 @@ from kv_cache_workers import (
     assert_same_samples,
     sample_both_paths,
     sample_both_paths_te_like,
+    split_one_token_prefill_te_like,
 )
 
 from emapg_megatron.multiprocess import run_distributed
@@ -45,6 +46,7 @@ def layouts(tmp_path_factory):
         out["pp2" + suffix] = run_distributed(sample_both_paths, 2, pp=2, args=(ckpt, False, shape))
         if shape is None:
             out["te"] = run_distributed(sample_both_paths_te_like, 1, args=(ckpt,))
+            out["ckpt"] = ckpt
     return out
 
 
@@ -174,6 +176,16 @@ def test_model_parallel_ranks_take_the_first_ranks_environment_answers(layouts, 
     for rank in (first, other):
         _same(rank["cached_flaky"], good)
         _same(rank["reference_flaky"], good)
+
+
+def test_te_one_position_prefill_is_not_split_at_a_row_offset(layouts, tmp_path):
+    """Seen on an H100 with TE 2.11: a one-token prefill split into row micro-batches raised "The
+    provided qkv memory layout is not supported!". Under TE-like attention (which refuses what TE
+    refuses) it now runs whole and samples what the unsplit run samples; wider forwards split."""
+    ckpt = layouts["ckpt"]
+    (out,) = run_distributed(split_one_token_prefill_te_like, 1, args=(ckpt,))
+    _same(out["split"], out["whole"])
+    assert out["split"]["rows_fed"][0] == len(PROMPTS) * N  # the one-position prefill: all rows
 
 
 @pytest.mark.parametrize("layout", ALL)

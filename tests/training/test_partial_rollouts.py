@@ -100,8 +100,9 @@ def _resume(tmp, ckpt, nproc, layout, full, save=()):
 
 
 @pytest.mark.parametrize("argv, fixed_shape, graphs", [
-    ([], False, False),  # off by default: the lockstep sampler, as before partial rollouts
-    (["--partial-rollouts"], True, False),  # its decoder; graphs only when asked (not yet on a GPU)
+    ([], False, None),  # off by default: the lockstep sampler, as before partial rollouts
+    (["--partial-rollouts"], True, None),  # its decoder, graphs wherever it runs on a GPU at PP=1
+    (["--partial-rollouts", "--no-inference-cuda-graphs"], True, False),
     (["--partial-rollouts", "--inference-cuda-graphs"], True, True),
     (["--partial-rollouts", "--no-inference-fixed-shape-decode"], False, None),
     (["--inference-fixed-shape-decode"], True, None),

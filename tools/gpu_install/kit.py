@@ -3,7 +3,7 @@
 
 The lent machine (one H100/H200, Python 3.12, torch 2.11.0+cu130, nvcc) has no network and none of
 megatron-core, Transformer Engine (TE) or vLLM. Each call to it carries the repo plus at most
-~64 MiB, so this tool lays what it lacks out as git-ignored folders of at most 60 MiB each:
+~64 MiB, so this tool lays what it lacks out as git-ignored folders of at most 56 MiB each:
 
     python3 tools/gpu_install/kit.py prepare [--only mcore,te,vllm]      # here, with PyPI
     python3 tools/gpu_install/kit.py check                                # there, after each transfer
@@ -60,8 +60,9 @@ from packaging.version import Version
 FORMAT = 1
 KIT = "emapg-gpukit"
 MiB = 1 << 20
-PART_LIMIT = 58 * MiB  # one carried file at most
-FOLDER_LIMIT = 60 * MiB  # one carried folder, manifest included
+# One call carries the repo (7 MiB on 2026-11-27) and one folder within 64 MiB.
+PART_LIMIT = 54 * MiB  # one carried file at most
+FOLDER_LIMIT = 56 * MiB  # one carried folder, manifest included
 OUT_PART_LIMIT = 15 * MiB  # files coming back from the machine's $OUT: 16 MiB each at most
 TRANSFER_LIMIT = 64 * MiB  # the repo plus what one call carries
 PREFIX = ".gpukit-"
@@ -1250,8 +1251,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out-dir", help="where the folders go (default: ROOT)")
     p.add_argument("--cache", help=f"download cache (default: ROOT/{CACHE_DIR})")
     p.add_argument("--offline", action="store_true", help="use the cache only, download nothing")
-    p.add_argument("--part-limit", type=parse_size, default=PART_LIMIT, help="largest carried file (58M)")
-    p.add_argument("--folder-limit", type=parse_size, default=FOLDER_LIMIT, help="largest folder (60M)")
+    p.add_argument("--part-limit", type=parse_size, default=PART_LIMIT, help="largest carried file (54M)")
+    p.add_argument("--folder-limit", type=parse_size, default=FOLDER_LIMIT, help="largest folder (56M)")
     p.set_defaults(func=cmd_prepare)
 
     p = sub.add_parser("install", help="there: verify, reassemble, compile TE's extension, pip install")

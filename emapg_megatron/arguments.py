@@ -26,6 +26,7 @@ from emapg_megatron.kl.config import KLConfig
 from emapg_megatron.models.config import (
     ModelConfig,
     ModelOptions,
+    MoEOptions,
     PrecisionConfig,
     validate_fp8_shapes,
 )
@@ -64,6 +65,7 @@ class RunConfig:
     loop: LoopConfig = field(default_factory=LoopConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     model: ModelOptions = field(default_factory=ModelOptions)
+    moe: MoEOptions = field(default_factory=MoEOptions)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -146,6 +148,7 @@ def validate(cfg: RunConfig, world_size: int) -> None:
     cfg.step.validate()
     cfg.parallel.validate(world_size, check_devices=not dry)
     cfg.model.validate()
+    cfg.moe.validate()
     cfg.precision.validate()
     cfg.optim.validate()
     cfg.checkpoint.validate()
@@ -271,7 +274,11 @@ def validate_architecture(cfg: RunConfig, model_cfg: ModelConfig) -> None:
     """The rules that join the resolved architecture (flags or --load-hf's config.json) with the
     layout, the KL estimator and FP8."""
     tp, pp = cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size
-    model_cfg.validate(tp, pp)
+    model_cfg.validate(tp, pp, cfg.parallel.expert_model_parallel_size)
+    if cfg.moe.grouped_gemm and model_cfg.is_moe and (cfg.parallel.device == "cpu" or (
+            not cfg.launch.dry_run and cfg.parallel.resolved_device() == "cpu")):
+        raise ConfigError("--moe-grouped-gemm runs on a GPU (Transformer Engine's grouped GEMM): "
+                          "drop it in CPU mode")
     k, vocab = cfg.kl.topk_tokens, model_cfg.vocab_size
     _check(k <= vocab, f"--kl-topk-tokens {cfg.kl.k} exceeds the vocabulary ({vocab}): use at most "
                        f"{vocab} (that many is the exact KL); the synthetic task's first run is --preset tiny-cpu")

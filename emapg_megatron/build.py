@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from transformers import AutoTokenizer
 
@@ -58,6 +59,7 @@ from emapg_megatron.rollout.collect import (
     StepShape,
 )
 from emapg_megatron.rollout.evaluation import HeldOutEvaluation
+from emapg_megatron.rollout.expert_group import ExpertGroupEngine
 from emapg_megatron.rollout.megatron_sampler import MegatronSampler
 from emapg_megatron.rollout.partial import InFlight
 from emapg_megatron.run.loop import log0
@@ -182,7 +184,7 @@ def build_trainer(inputs: RunInputs) -> Trainer:
     """The run's components on this rank (call after ``runtime.initialize``)."""
     cfg, model_cfg = inputs.config, inputs.model_cfg
     chunks, optimizer = build_model_and_optimizer(model_cfg, cfg.optim, cfg.precision,
-                                                  sequence_parallel=cfg.parallel.sequence_parallel)
+                                                  sequence_parallel=cfg.parallel.sequence_parallel, moe=cfg.moe)
     load_initial_weights(chunks, optimizer, cfg, model_cfg)
     scheduler = lr_scheduler(optimizer, cfg.optim, cfg.loop.train_iters, cfg.step.updates_per_step)
     if cfg.step.sequence_packing:
@@ -221,7 +223,8 @@ def build_anchor(inputs: RunInputs, chunks, optimizer):
     if inputs.teacher_cfg is None:
         return EmaAnchor(chunks, optimizer, cfg.ema)
     t = inputs.teacher_cfg
-    teacher = Teacher.build(cfg.teacher, t, cfg.precision, sequence_parallel=cfg.parallel.sequence_parallel)
+    teacher = Teacher.build(cfg.teacher, t, cfg.precision, sequence_parallel=cfg.parallel.sequence_parallel,
+                            moe=cfg.moe)
     log0(f"teacher {cfg.teacher.path}: {t.num_layers} layers, hidden {t.hidden_size}, "
          f"{teacher.memory_bytes() / 2**20:.1f} MiB of weights on rank 0")
     return teacher
@@ -358,8 +361,13 @@ def check_pretrained_architecture(model_cfg, path: str) -> None:
 
 def layout(parallel, world: int) -> dict:
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
-    return {"world_size": world, "tensor_model_parallel_size": tp,
-            "pipeline_model_parallel_size": pp, "data_parallel_size": parallel.data_parallel_size(world)}
+    out = {"world_size": world, "tensor_model_parallel_size": tp,
+           "pipeline_model_parallel_size": pp, "data_parallel_size": parallel.data_parallel_size(world)}
+    if parallel.expert_model_parallel_size > 1 or parallel.expert_tensor_parallel_size:
+        out.update(expert_model_parallel_size=parallel.expert_model_parallel_size,
+                   expert_tensor_parallel_size=parallel.expert_tensor_size,
+                   expert_data_parallel_size=parallel.expert_data_parallel_size(world))
+    return out
 
 
 def warn_packed_attention_cost(model, model_cfg, step: StepConfig) -> None:
@@ -399,10 +407,13 @@ def build_rollout_engine(cfg: RunConfig, chunks, model_cfg: ModelConfig, tokeniz
                                       pad_id=pad_id, model_chunks=chunks,
                                       trainer_tp=parallel.tensor_model_parallel_size,
                                       pipeline_parallel=parallel.pipeline_model_parallel_size)
-    return MegatronSampler(chunks, cfg.sampler.resolved(cfg.partial_rollouts.enabled),
-                           vocab_size=model_cfg.vocab_size, eos_id=getattr(tokenizer, "eos_token_id", None),
-                           pad_id=pad_id, seq_length=step.seq_length, micro_batch_size=step.micro_batch_size,
-                           seed=cfg.loop.seed, tokenizer=tokenizer)
+    sampler = MegatronSampler(chunks, cfg.sampler.resolved(cfg.partial_rollouts.enabled),
+                              vocab_size=model_cfg.vocab_size, eos_id=getattr(tokenizer, "eos_token_id", None),
+                              pad_id=pad_id, seq_length=step.seq_length, micro_batch_size=step.micro_batch_size,
+                              seed=cfg.loop.seed, tokenizer=tokenizer)
+    if parallel.expert_model_parallel_size > 1:  # the group's ranks must run the same forwards
+        return ExpertGroupEngine(sampler, ps.get_expert_model_parallel_group())
+    return sampler
 
 
 def lr_scheduler(optimizer, optim: OptimConfig, train_iters: int,

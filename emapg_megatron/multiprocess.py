@@ -131,13 +131,15 @@ def _context(device: str):
     return ctx
 
 
-def run_distributed(fn, world_size: int = 2, *, tp: int = 1, pp: int = 1, args: tuple = (),
+def run_distributed(fn, world_size: int = 2, *, tp: int = 1, pp: int = 1, ep: int = 1, args: tuple = (),
                     timeout: float = 300.0, device: str = "cpu", seed: int = 1234) -> list:
-    """Run ``fn(*args)`` on ``world_size`` ranks; return the results in rank order.
+    """Run ``fn(*args)`` on ``world_size`` ranks (``ep``: expert-parallel size); return the
+    results in rank order.
 
     ``fn`` must be importable (a module-level function): the ranks import it by name.
     """
-    cfg = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, device=device)
+    cfg = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                         expert_model_parallel_size=ep, device=device)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_rank(world_size)))
     ctx = _context(device)
     call = pickle.dumps((fn, args))

@@ -31,7 +31,11 @@ ADDED = {"--overwrite", "--kl-reference-clamps", "--rollout-dump-interval", "--w
          "--inference-fixed-shape-decode", "--inference-cuda-graphs",
          "--inference-continuous-batching", "--partial-rollouts", "--partial-rollout-oversample",
          "--max-staleness", "--math-last-number-fallback", "--kl-topk-source",
-         "--copy-reward"}  # flags added since, on purpose
+         "--copy-reward",
+         # mixture of experts (issue 41): Megatron-LM's names
+         "--num-experts", "--moe-router-topk", "--moe-ffn-hidden-size", "--expert-model-parallel-size",
+         "--expert-tensor-parallel-size", "--moe-token-dispatcher-type", "--moe-router-load-balancing-type",
+         "--moe-aux-loss-coeff", "--moe-z-loss-coeff", "--moe-router-dtype", "--moe-grouped-gemm"}  # flags added since, on purpose
 ADDED_ALIASES = {"--rl-partial-rollouts"}  # other names of added flags
 NEGATED = {"--no-task-reward", "--no-inference-fixed-shape-decode", "--no-inference-cuda-graphs",
            "--no-inference-continuous-batching"}  # the negations of added switches

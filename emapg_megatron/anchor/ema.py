@@ -197,9 +197,11 @@ class EmaAnchor:
     @torch.no_grad()
     def lag(self) -> float:
         """‖θ − θ_ema‖ / ‖θ‖ over the whole model (all TP/PP/DP shards, duplicates counted once)."""
-        sq_diff, sq_norm = [], []
+        groups = self.layout.norm_groups
+        sq_diff, sq_norm = [[] for _ in groups], [[] for _ in groups]
         for store in self.stores:
             bucket = store.bucket
+            kind = next(i for i, g in enumerate(groups) if g is bucket.norm_group)
             # Bounded chunks keep the fp32 difference temporaries small for huge embedding matrices.
             for a, b in self._chunks(bucket.shard_lo, bucket.shard_hi, bounded=True):
                 buf = self._load(store, a, b)
@@ -209,15 +211,18 @@ class EmaAnchor:
                         mains.append(piece.main[x - piece.lo:y - piece.lo])
                         emas.append(buf[x - a:y - a])
                 if mains:
-                    sq_diff.append(torch.stack(torch._foreach_norm(torch._foreach_sub(mains, emas))).double())
-                    sq_norm.append(torch.stack(torch._foreach_norm(mains)).double())
-        acc = torch.zeros(2, dtype=torch.float64, device=self.layout.device)
-        if sq_diff:
-            acc[0] = torch.cat(sq_diff).square().sum()
-            acc[1] = torch.cat(sq_norm).square().sum()
-        if self.layout.norm_group is not None and dist.get_world_size(self.layout.norm_group) > 1:
-            dist.all_reduce(acc, group=self.layout.norm_group)
-        diff, norm = acc.sqrt().tolist()
+                    sq_diff[kind].append(torch.stack(torch._foreach_norm(torch._foreach_sub(mains, emas))).double())
+                    sq_norm[kind].append(torch.stack(torch._foreach_norm(mains)).double())
+        total = torch.zeros(2, dtype=torch.float64, device=self.layout.device)
+        for group, diffs, norms in zip(groups, sq_diff, sq_norm):  # each kind over its own group
+            acc = torch.zeros(2, dtype=torch.float64, device=self.layout.device)
+            if diffs:
+                acc[0] = torch.cat(diffs).square().sum()
+                acc[1] = torch.cat(norms).square().sum()
+            if group is not None and dist.get_world_size(group) > 1:
+                dist.all_reduce(acc, group=group)
+            total += acc
+        diff, norm = total.sqrt().tolist()
         return diff / norm if norm > 0 else diff
 
     @torch.no_grad()

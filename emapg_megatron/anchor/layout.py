@@ -71,6 +71,7 @@ class Bucket:
     dp_rank: int
     shard_lo: int  # the range whose main params this rank's optimizer owns
     shard_hi: int
+    norm_group: object = None  # the ranks whose main params of this kind (dense or expert) partition them
     pieces: list[Piece] = field(default_factory=list)
 
     def write_model(self, lo: int, hi: int, src: torch.Tensor) -> None:
@@ -95,9 +96,18 @@ class Bucket:
 class Layout:
     buckets: list[Bucket]
     distributed_optimizer: bool
-    norm_group: object  # the ranks whose main params together partition the model (grad-norm group)
     model_dtype: torch.dtype
     device: torch.device
+
+    @property
+    def norm_groups(self) -> list:
+        """Each kind of parameter's grad-norm group (the dense params', then the experts'), in
+        the same order on every rank: a global norm reduces each kind over its own group."""
+        groups = []
+        for bucket in self.buckets:
+            if not any(bucket.norm_group is g for g in groups):
+                groups.append(bucket.norm_group)
+        return groups
 
     @property
     def numel(self) -> int:
@@ -116,6 +126,26 @@ def inner_optimizers(optimizer) -> list:
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _norm_groups(optimizer) -> dict[int, object]:
+    """``id(model_param) -> the grad-norm group of the inner optimizer holding it`` (a MoE model's
+    chained optimizer has one for the dense params and one for the experts)."""
+    groups = {}
+    for opt in inner_optimizers(optimizer):
+        group = opt.get_grad_stats_parallel_group()
+        for param_group in opt.param_groups if not isinstance(opt, DistributedOptimizer) else []:
+            for param in param_group["params"]:
+                groups[id(param)] = group
+        if isinstance(opt, DistributedOptimizer):
+            for model_group in (*opt.model_float16_groups, *opt.model_fp32_groups):
+                for param in model_group:
+                    groups[id(param)] = group
+        elif isinstance(opt, Float16OptimizerWithFloat16Params):
+            for model_group in opt.float16_groups:
+                for param in model_group:
+                    groups[id(param)] = group
+    return groups
 
 
 def _main_runs(optimizer) -> tuple[dict[int, list[tuple[torch.Tensor, int, int]]], bool]:
@@ -157,13 +187,12 @@ def _main_runs(optimizer) -> tuple[dict[int, list[tuple[torch.Tensor, int, int]]
 
 def build_layout(model_chunks: list, optimizer) -> Layout:
     runs, distributed = _main_runs(optimizer)
+    norm_groups = _norm_groups(optimizer)
     buckets: list[Bucket] = []
     dtypes = set()
     for chunk in model_chunks:
         if not hasattr(chunk, "buffers") or not hasattr(chunk, "ddp_config"):
             raise ConfigError("the EMA anchor needs Megatron DDP-wrapped model chunks")
-        if chunk.expert_parallel_buffers:
-            raise ConfigError("the EMA anchor does not support expert-parallel (MoE) parameters")
         if chunk.ddp_config.overlap_param_gather:
             # Weights would be gathered lazily in the next forward: a swap would race with it.
             raise ConfigError("the EMA anchor cannot be used with overlap_param_gather")
@@ -171,7 +200,9 @@ def build_layout(model_chunks: list, optimizer) -> Layout:
         names = {id(p): global_param_name(gpt, n) for n, p in gpt.named_parameters()}
         if any(is_float8tensor(p) for p in gpt.parameters()):
             raise ConfigError("the EMA anchor does not support FP8 parameters (fp8 param gather)")
-        for buffer in chunk.buffers:
+        # Expert-parallel params (a MoE model at EP > 1) have buffers of their own, sharded and
+        # reduced over the expert data-parallel group: the EMA follows each buffer's group.
+        for buffer in (*chunk.buffers, *chunk.expert_parallel_buffers):
             dtypes.add(buffer.param_dtype)
             group = buffer.data_parallel_group
             dp_size, dp_rank = group.size(), group.rank()
@@ -182,6 +213,8 @@ def build_layout(model_chunks: list, optimizer) -> Layout:
                 b = Bucket(numel=numel, slots=[], flat_param=bucket.param_data, dp_group=group,
                            dp_size=dp_size if distributed else 1, dp_rank=dp_rank if distributed else 0,
                            shard_lo=lo, shard_hi=lo + shard)
+                b.norm_group = next((norm_groups[id(p)] for p in bucket.params_list if id(p) in norm_groups),
+                                    None)
                 for param in bucket.params_list:
                     start = buffer.param_index_map[param][0] - bucket.offset
                     b.slots.append(Slot(param, names[id(param)], start, start + param.numel()))
@@ -203,5 +236,4 @@ def build_layout(model_chunks: list, optimizer) -> Layout:
     if len(dtypes) != 1:
         raise ConfigError(f"the EMA anchor needs one model dtype (got {sorted(map(str, dtypes))})")
     first = buckets[0].slots[0].param
-    norm_group = optimizer.get_grad_stats_parallel_group()
-    return Layout(buckets, distributed, norm_group, dtypes.pop(), first.device)
+    return Layout(buckets, distributed, dtypes.pop(), first.device)

@@ -32,7 +32,7 @@ from emapg_megatron.checkpoint.convert import (
 from emapg_megatron.checkpoint.hf_config import model_config_from_hf, read_hf_config
 from emapg_megatron.checkpoint.hf_io import has_tokenizer
 from emapg_megatron.errors import ConfigError
-from emapg_megatron.models.config import ModelConfig, PrecisionConfig
+from emapg_megatron.models.config import ModelConfig, MoEOptions, PrecisionConfig
 from emapg_megatron.models.gpt import build_for_this_rank
 from emapg_megatron.training.optimizer_step import check_loaded_weights
 
@@ -108,11 +108,11 @@ class Teacher:
 
     @classmethod
     def build(cls, teacher: TeacherConfig, model_cfg: ModelConfig, prec: PrecisionConfig, *,
-              sequence_parallel: bool = False) -> "Teacher":
+              sequence_parallel: bool = False, moe: MoEOptions | None = None) -> "Teacher":
         """Build this rank's part of the teacher (collective: loads its weights at any TP/PP)."""
 
 
-        model = build_for_this_rank(model_cfg, prec, sequence_parallel=sequence_parallel)
+        model = build_for_this_rank(model_cfg, prec, sequence_parallel=sequence_parallel, moe=moe)
         if prec.bf16:
             model = Float16Module(model.config, model)
         model.requires_grad_(False)

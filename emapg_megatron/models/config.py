@@ -38,10 +38,16 @@ INT_LIMITS = {
     "kv_channels": 4096,
     "max_position_embeddings": 1 << 24,
     "make_vocab_size_divisible_by": 1 << 16,
+    # Mixture of experts (DeepSeek-V3: 256 routed experts, 8 per token; Qwen3-235B-A22B: 128, 8)
+    "num_experts": 4096,
+    "moe_router_topk": 4096,
+    "moe_ffn_hidden_size": 1 << 18,
 }
+OPTIONAL_INTS = ("num_query_groups", "kv_channels", "num_experts", "moe_ffn_hidden_size")
+"""Integers that may be None (a default taken from another field, or a dense model)."""
 #: Fields read as positive finite numbers.
 POSITIVE = ("rotary_base", "rope_scaling_factor", "norm_epsilon")
-_BOOLS = ("add_qkv_bias", "qk_layernorm", "tie_word_embeddings")
+_BOOLS = ("add_qkv_bias", "qk_layernorm", "tie_word_embeddings", "moe_norm_topk_prob")
 
 
 def is_number(value) -> bool:
@@ -89,6 +95,15 @@ class ModelConfig:
     """RMSNorm on queries and keys (Qwen3)."""
     tie_word_embeddings: bool = False
     """The output layer shares the input embedding's weight."""
+    num_experts: int | None = None
+    """Routed experts of every MoE layer (HF num_experts / num_local_experts); None: a dense model."""
+    moe_router_topk: int = 2
+    """Experts each token is routed to (HF num_experts_per_tok)."""
+    moe_ffn_hidden_size: int | None = None
+    """Each expert's SwiGLU inner width (HF moe_intermediate_size); None: ffn_hidden_size."""
+    moe_norm_topk_prob: bool = True
+    """Top-k routing weights renormalised to sum to 1 (HF norm_topk_prob; Mixtral always): the
+    softmax over the chosen experts' logits. False: the full softmax's top-k probabilities."""
     make_vocab_size_divisible_by: int = 128
     """Pad the vocabulary to a multiple of this x TP."""
     init_method_std: float = 0.02
@@ -114,7 +129,7 @@ class ModelConfig:
         """Each field of the right type and within its bounds (ConfigError naming ``where``)."""
         for name in INT_LIMITS:
             value = getattr(self, name)
-            if value is not None or name not in ("num_query_groups", "kv_channels"):
+            if value is not None or name not in OPTIONAL_INTS:
                 check_int(name, value, where)
         for name in POSITIVE:
             value = getattr(self, name)
@@ -137,7 +152,19 @@ class ModelConfig:
         multiple = self.make_vocab_size_divisible_by * tp
         return -(-self.vocab_size // multiple) * multiple
 
-    def validate(self, tp: int = 1, pp: int = 1) -> None:
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts is not None
+
+    def validate(self, tp: int = 1, pp: int = 1, ep: int = 1) -> None:
+        if self.is_moe and self.moe_router_topk > self.num_experts:
+            raise ConfigError(f"the router's top-k ({self.moe_router_topk}) exceeds the {self.num_experts} "
+                              "experts: set --moe-router-topk to at most the expert count")
+        if ep > 1 and not self.is_moe:
+            raise ConfigError(f"--expert-model-parallel-size {ep} needs a mixture-of-experts model "
+                              "(--num-experts, or a MoE --load-hf): this one is dense")
+        if self.is_moe and self.num_experts % ep:
+            raise ConfigError(f"--expert-model-parallel-size {ep} does not divide the {self.num_experts} experts")
         groups = self.num_query_groups or self.num_attention_heads
         if self.hidden_size % self.num_attention_heads != 0 and self.kv_channels is None:
             raise ConfigError(
@@ -193,6 +220,33 @@ class PrecisionConfig:
 
 
 @dataclass
+class MoEOptions:
+    """How a mixture-of-experts model routes and dispatches tokens (Megatron-LM's flags; the
+    architecture, experts and top-k, is the model's). Ignored by a dense model."""
+
+    token_dispatcher_type: str = option("allgather", flag="--moe-token-dispatcher-type",
+                                        choices=("allgather", "alltoall"))
+    """How tokens reach the experts of other expert-parallel ranks: all-gather every token, or
+    all-to-all only the routed ones."""
+    router_load_balancing_type: str = option("aux_loss", flag="--moe-router-load-balancing-type",
+                                             choices=("aux_loss", "seq_aux_loss", "none"))
+    """The load-balancing loss: over the batch (aux_loss), per sequence (seq_aux_loss), or none."""
+    aux_loss_coeff: float = option(0.0, flag="--moe-aux-loss-coeff", range=at_least(0))
+    """Weight of the load-balancing loss, added to the policy loss through Megatron's own
+    mechanism (its gradient enters in the backward) and logged as moe_aux_loss."""
+    z_loss_coeff: float | None = option(None, flag="--moe-z-loss-coeff", range=at_least(0))
+    """Weight of the router z-loss (logged as moe_z_loss); default none."""
+    router_dtype: str | None = option(None, flag="--moe-router-dtype", choices=("fp32", "fp64"))
+    """Compute the router's softmax and top-k in this dtype; default the model's."""
+    grouped_gemm: bool = option(False, flag="--moe-grouped-gemm")
+    """Run the local experts as one grouped GEMM (Transformer Engine on a GPU) instead of one
+    GEMM per expert."""
+
+    def validate(self) -> None:
+        check_fields(self)
+
+
+@dataclass
 class ModelOptions:
     """The model: a random init of the shape the flags give, or --load-hf's (shape, weights and
     tokenizer), or --pretrained-checkpoint's weights."""
@@ -226,6 +280,13 @@ class ModelOptions:
     """Separate output layer instead of the tied input embedding."""
     make_vocab_size_divisible_by: int = option(128, range=at_least(1))
     """Pad the vocabulary to a multiple of this x TP."""
+    num_experts: int | None = option(None, range=at_least(1))
+    """Mixture of experts: routed experts in every layer's MLP (random init; --load-hf reads it
+    from config.json). Default: a dense model."""
+    moe_router_topk: int = option(2, range=at_least(1))
+    """Mixture of experts: experts each token is routed to."""
+    moe_ffn_hidden_size: int | None = option(None, range=at_least(1))
+    """Mixture of experts: each expert's SwiGLU inner width; default --ffn-hidden-size."""
     vocab_size: int | None = option(None, range=at_least(1))
     """Vocabulary of a randomly initialised model (synthetic task; default: its tokenizer's 13 ids).
     Larger sizes model a real LM head for benchmarks; ids beyond the tokenizer's decode to nothing."""

@@ -26,7 +26,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from emapg_megatron import runtime
 from emapg_megatron.errors import ConfigError
-from emapg_megatron.models.config import ModelConfig, PrecisionConfig
+from emapg_megatron.models.config import ModelConfig, MoEOptions, PrecisionConfig
 
 
 def has_local_attention(model) -> bool:
@@ -78,10 +78,36 @@ def validate_precision(prec: PrecisionConfig, device_type: str, *, hardware: boo
         raise ConfigError("FP8 needs a Hopper (sm90) or newer GPU")
 
 
+def moe_config(cfg: ModelConfig, moe: MoEOptions | None, ep: int = 1, etp: int | None = None) -> dict:
+    """``TransformerConfig``'s mixture-of-experts fields (none for a dense model): dropless
+    routing (no capacity factor), the router's softmax over the chosen experts' logits when the
+    top-k weights are renormalised (HF ``norm_topk_prob``), else over all experts first."""
+    if not cfg.is_moe:
+        return {}
+    moe = moe or MoEOptions()
+    return dict(num_moe_experts=cfg.num_experts, moe_router_topk=cfg.moe_router_topk,
+                moe_ffn_hidden_size=cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size,
+                moe_router_pre_softmax=not cfg.moe_norm_topk_prob,
+                moe_token_dispatcher_type=moe.token_dispatcher_type,
+                moe_router_load_balancing_type=moe.router_load_balancing_type,
+                moe_aux_loss_coeff=moe.aux_loss_coeff, moe_z_loss_coeff=moe.z_loss_coeff,
+                moe_router_dtype=moe.router_dtype, moe_grouped_gemm=moe.grouped_gemm,
+                moe_expert_capacity_factor=None, expert_model_parallel_size=ep,
+                expert_tensor_parallel_size=etp)
+
+
+def validate_moe(cfg: ModelConfig, moe: MoEOptions | None, device_type: str) -> None:
+    """What the routing options need of the machine (one line each)."""
+    if moe is not None and moe.grouped_gemm and cfg.is_moe and device_type != "cuda":
+        raise ConfigError("--moe-grouped-gemm runs on a GPU (Transformer Engine's grouped GEMM): "
+                          "drop it in CPU mode")
+
+
 def transformer_config(cfg: ModelConfig, tp: int, pp: int, prec: PrecisionConfig | None = None,
-                       *, sequence_parallel: bool = False, perform_initialization: bool = True):
+                       *, sequence_parallel: bool = False, perform_initialization: bool = True,
+                       moe: MoEOptions | None = None, ep: int = 1, etp: int | None = None):
     prec = prec or PrecisionConfig()
-    kwargs = {}
+    kwargs = moe_config(cfg, moe, ep, etp)
     if prec.fp8_format is not None:
         kwargs.update(fp8=prec.fp8_format, fp8_recipe=prec.fp8_recipe)
     return TransformerConfig(
@@ -139,9 +165,12 @@ def layer_spec(cfg: ModelConfig, device_type: str, tcfg, vp_stage: int | None = 
     """TE spec on a GPU with a working Transformer Engine, else the local spec with
     :class:`LocalRMSNorm` in every norm slot (per layer, q/k and the final norm) for this stage's
     layers (``tcfg``: the TransformerConfig)."""
+    grouped = bool(tcfg.moe_grouped_gemm)
     if use_transformer_engine(device_type, impl):
-        return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=cfg.qk_layernorm)
-    layer = specs.get_gpt_layer_local_spec(qk_layernorm=cfg.qk_layernorm, normalization="RMSNorm")
+        return specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=cfg.num_experts, moe_grouped_gemm=grouped, qk_layernorm=cfg.qk_layernorm)
+    layer = specs.get_gpt_layer_local_spec(num_experts=cfg.num_experts, moe_grouped_gemm=grouped,
+                                           qk_layernorm=cfg.qk_layernorm, normalization="RMSNorm")
     sub = layer.submodules
     sub.input_layernorm = sub.pre_mlp_layernorm = LocalRMSNorm
     attn = sub.self_attention.submodules
@@ -154,17 +183,20 @@ def layer_spec(cfg: ModelConfig, device_type: str, tcfg, vp_stage: int | None = 
 def build_gpt_model(cfg: ModelConfig, *, tp: int = 1, pp: int = 1, pre_process: bool = True,
                     post_process: bool = True, prec: PrecisionConfig | None = None,
                     device_type: str = "cpu", vp_stage: int | None = None,
-                    perform_initialization: bool = True, sequence_parallel: bool = False):
+                    perform_initialization: bool = True, sequence_parallel: bool = False,
+                    moe: MoEOptions | None = None, ep: int = 1, etp: int | None = None):
     """Build this rank's shard of the model (call after :func:`emapg_megatron.runtime.initialize`).
 
     ``perform_initialization=False`` skips the random init (weights are left uninitialised):
-    only for callers that overwrite every weight, like the converter.
+    only for callers that overwrite every weight, like the converter. ``moe``: a MoE model's
+    routing options; ``ep``/``etp``: the expert-parallel layout it is built for.
     """
     prec = prec or PrecisionConfig()
-    cfg.validate(tp, pp)
+    cfg.validate(tp, pp, ep)
     validate_precision(prec, device_type)
+    validate_moe(cfg, moe, device_type)
     tcfg = transformer_config(cfg, tp, pp, prec, perform_initialization=perform_initialization,
-                              sequence_parallel=sequence_parallel)
+                              sequence_parallel=sequence_parallel, moe=moe, ep=ep, etp=etp)
     model = GPTModel(
         config=tcfg,
         transformer_layer_spec=layer_spec(cfg, device_type, tcfg, vp_stage, prec.transformer_impl),
@@ -184,7 +216,7 @@ def build_gpt_model(cfg: ModelConfig, *, tp: int = 1, pp: int = 1, pre_process: 
 
 
 def build_for_this_rank(cfg: ModelConfig, prec: PrecisionConfig | None = None, *,
-                        sequence_parallel: bool = False):
+                        sequence_parallel: bool = False, moe: MoEOptions | None = None):
     """Build the model for the current parallel_state position, on this rank's device.
 
     Like Megatron's own model builder it moves the model with ``.cuda()``: not every module takes
@@ -199,6 +231,9 @@ def build_for_this_rank(cfg: ModelConfig, prec: PrecisionConfig | None = None, *
         prec=prec,
         device_type=runtime.hardware(),
         sequence_parallel=sequence_parallel,
+        moe=moe,
+        ep=ps.get_expert_model_parallel_world_size(),
+        etp=ps.get_expert_tensor_parallel_world_size(),
     )
     return model.cuda(torch.cuda.current_device())
 

@@ -24,6 +24,11 @@ class ParallelConfig:
     """TP degree (vocab-sharded logits)."""
     pipeline_model_parallel_size: int = option(1, range=at_least(1))
     """PP degree."""
+    expert_model_parallel_size: int = option(1, range=at_least(1))
+    """EP degree of a mixture-of-experts model: each rank of an expert-parallel group holds
+    experts / EP of every MoE layer's experts (carved out of the data-parallel ranks)."""
+    expert_tensor_parallel_size: int | None = option(None, range=at_least(1))
+    """TP degree inside each expert; default --tensor-model-parallel-size."""
     sequence_parallel: bool = option(False)
     """Megatron sequence parallelism: with TP >= 2, shard the norms' and dropout's activations
     along the sequence over the TP group (needs --seq-length divisible by TP)."""
@@ -47,6 +52,15 @@ class ParallelConfig:
     def data_parallel_size(self, world_size: int) -> int:
         return world_size // (self.tensor_model_parallel_size * self.pipeline_model_parallel_size)
 
+    @property
+    def expert_tensor_size(self) -> int:
+        return self.expert_tensor_parallel_size or self.tensor_model_parallel_size
+
+    def expert_data_parallel_size(self, world_size: int) -> int:
+        """Ranks holding the same experts (their gradients are reduced over these)."""
+        return world_size // (self.expert_tensor_size * self.expert_model_parallel_size *
+                              self.pipeline_model_parallel_size)
+
     def validate(self, world_size: int, *, check_devices: bool = True) -> None:
         """The layout against ``world_size`` and the machine (``check_devices=False``: a dry run,
         maybe of a GPU launch on a CPU machine). Model shapes against TP/PP: ModelConfig.validate."""
@@ -64,5 +78,10 @@ class ParallelConfig:
                               f"does not divide it (start a multiple of {tp * pp} ranks, e.g. emapg-train "
                               f"--nproc-per-node {tp * pp} ..., or set --tensor-model-parallel-size and "
                               f"--pipeline-model-parallel-size for {world_size})")
+        ep, etp = self.expert_model_parallel_size, self.expert_tensor_size
+        if world_size % (etp * ep * pp) != 0:
+            raise ConfigError(f"world size {world_size} is not expert TP x EP x PP x expert DP: expert "
+                              f"TP={etp} x EP={ep} x PP={pp} does not divide it (start a multiple of "
+                              f"{etp * ep * pp} ranks, or lower --expert-model-parallel-size)")
         if self.sequence_parallel and tp < 2:
             raise ConfigError("--sequence-parallel needs --tensor-model-parallel-size >= 2")

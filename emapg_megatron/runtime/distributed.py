@@ -77,6 +77,8 @@ def model_parallel_options(cfg: ParallelConfig) -> dict:
     """
     return dict(tensor_model_parallel_size=cfg.tensor_model_parallel_size,
                 pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
+                expert_model_parallel_size=cfg.expert_model_parallel_size,
+                expert_tensor_parallel_size=cfg.expert_tensor_parallel_size,
                 create_gloo_process_groups=True,
                 distributed_timeout_minutes=cfg.timeout_minutes)
 

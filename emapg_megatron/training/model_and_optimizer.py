@@ -10,7 +10,7 @@ from megatron.core.distributed import (
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.transformer.module import Float16Module
 
-from emapg_megatron.models.config import ModelConfig, PrecisionConfig
+from emapg_megatron.models.config import ModelConfig, MoEOptions, PrecisionConfig
 from emapg_megatron.models.gpt import build_for_this_rank
 from emapg_megatron.training.config import OptimConfig
 
@@ -43,7 +43,7 @@ def build_optimizer(model_chunks: list, optim: OptimConfig, prec: PrecisionConfi
 
 
 def build_model_and_optimizer(cfg: ModelConfig, optim: OptimConfig, prec: PrecisionConfig | None = None,
-                              *, sequence_parallel: bool = False):
+                              *, sequence_parallel: bool = False, moe: MoEOptions | None = None):
     """Returns ``([ddp_model], optimizer)`` for this rank's TP/PP/DP position.
 
     As in Megatron-LM's training loop, the model config carries Megatron's
@@ -52,7 +52,7 @@ def build_model_and_optimizer(cfg: ModelConfig, optim: OptimConfig, prec: Precis
     gradients of TP-replicated weights (qk-layernorm, and all norms under sequence parallelism).
     """
     prec = prec or PrecisionConfig()
-    model = build_for_this_rank(cfg, prec, sequence_parallel=sequence_parallel)
+    model = build_for_this_rank(cfg, prec, sequence_parallel=sequence_parallel, moe=moe)
     if prec.bf16:
         model = Float16Module(model.config, model)  # casts weights and activations to bf16
     model = wrap_ddp(model, use_distributed_optimizer=optim.use_distributed_optimizer)

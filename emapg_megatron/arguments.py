@@ -274,7 +274,18 @@ def validate_architecture(cfg: RunConfig, model_cfg: ModelConfig) -> None:
     """The rules that join the resolved architecture (flags or --load-hf's config.json) with the
     layout, the KL estimator and FP8."""
     tp, pp = cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size
-    model_cfg.validate(tp, pp, cfg.parallel.expert_model_parallel_size)
+    ep = cfg.parallel.expert_model_parallel_size
+    model_cfg.check_entries("the model")  # the bounds a config.json is held to, before any sizing
+    model_cfg.validate(tp, pp, ep)
+    if model_cfg.is_moe:
+        _check(cfg.sampler.engine != "vllm", "--rollout-engine vllm does not sample mixture-of-experts "
+                                             "policies yet (the weight sync has no expert mapping): use "
+                                             "the built-in sampler")
+    if ep > 1:  # the expert group's ranks must run the same forwards (rollout/expert_group.py)
+        for flag, on in (("--partial-rollouts", cfg.partial_rollouts.enabled),
+                         ("--sequence-packing", cfg.step.sequence_packing)):
+            _check(not on, f"{flag} is not supported at --expert-model-parallel-size {ep} yet "
+                           "(the expert group's ranks would run different forwards)")
     if cfg.moe.grouped_gemm and model_cfg.is_moe and (cfg.parallel.device == "cpu" or (
             not cfg.launch.dry_run and cfg.parallel.resolved_device() == "cpu")):
         raise ConfigError("--moe-grouped-gemm runs on a GPU (Transformer Engine's grouped GEMM): "

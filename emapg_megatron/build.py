@@ -117,6 +117,10 @@ def prepare(argv=None) -> RunInputs:
     if cfg.model.pretrained_checkpoint:
         check_pretrained_architecture(model_cfg, cfg.model.pretrained_checkpoint)
     tokenizer, task = build_tokenizer_and_task(cfg)
+    if cfg.parallel.expert_model_parallel_size > 1 and task.multi_turn:
+        raise ConfigError(f"multi-turn tasks (--task {cfg.task.name}) are not supported at "
+                          f"--expert-model-parallel-size {cfg.parallel.expert_model_parallel_size} yet "
+                          "(the expert group's ranks would run different forwards)")
     if cfg.partial_rollouts.enabled and task.multi_turn:
         raise ConfigError(f"--partial-rollouts does not support multi-turn tasks (--task {cfg.task.name}): "
                           "an episode's environment state cannot be carried between steps")

@@ -33,6 +33,7 @@ from emapg_megatron.training.collectives import gather_at, gather_cat, reduce_su
 from emapg_megatron.training.microbatches import microbatching
 from emapg_megatron.training.model_and_optimizer import zero_grads
 from emapg_megatron.training.optimizer_step import check_weights, step_if_finite
+from emapg_megatron.training.router_losses import router_loss_metrics
 from emapg_megatron.training.schedule import forward_backward, forward_only
 
 
@@ -114,7 +115,8 @@ class Trainer:
         metrics = step_metrics(record, n=self.cfg.num_samples, task_reward=self.cfg.task_reward,
                                anchor_metrics=self.state.anchor.metrics(),
                                lr=self.state.optimizer.param_groups[0]["lr"])
-        return StepResult({**metrics, **mismatch, **stability, **rollout.decode, **self.engine.metrics()},
+        return StepResult({**metrics, **update["router"], **mismatch, **stability, **rollout.decode,
+                           **self.engine.metrics()},
                           rollout.samples(rewards.tolist()))
 
     def shaped_rewards(self, rewards: torch.Tensor, batch: dict) -> torch.Tensor:
@@ -207,7 +209,7 @@ class Trainer:
         outs = forward_backward(self.model_chunks, mbs, loss, fused_lmhead=self.passes.head.fused)
         sums = {k: sum(float(o[k]) for o in outs) for k in LOSS_KEYS} if outs else dict.fromkeys(LOSS_KEYS, 0.0)
         applied = step_if_finite(self.model_chunks, optimizer, self.state.scheduler, sums.values())
-        return {**sums, "applied": float(applied), "norm": norm}
+        return {**sums, "applied": float(applied), "norm": norm, "microbatches": len(mbs)}
 
     def update(self, batch: dict) -> dict:
         """Lambda epochs over the PPO mini-batches; this rank's share of mini-batch m is every
@@ -217,7 +219,7 @@ class Trainer:
         local_mini = self.cfg.mini_batch_size // dp
         which = (batch["seq_pos"] % n_local) // local_mini
         totals = dict.fromkeys(LOSS_KEYS, 0.0)
-        applied = refused = 0
+        applied = refused = forwards = 0
         for _ in range(self.cfg.ppo_epochs):
             for m in range(-(-n_local // local_mini)):
                 rows = torch.nonzero(which == m).flatten()
@@ -225,13 +227,19 @@ class Trainer:
                 out = self.train_minibatch(mini)
                 applied += int(out["applied"])
                 refused += int(not out["applied"])
+                forwards += out["microbatches"]
                 for k in LOSS_KEYS:
                     totals[k] += out[k]
         self.state.skipped_steps += int(refused > 0)
         # "skipped": no update applied, so the step changed nothing; a step with some refused
         # updates shows them in "updates_refused" (its applied updates are health-checked).
         return {**totals, "skipped": float(applied == 0), "updates_applied": applied,
-                "updates_refused": refused}
+                "updates_refused": refused, "router": self.router_losses(forwards)}
+
+    def router_losses(self, forwards: int) -> dict:
+        """A MoE policy's router losses of this step's training forwards (none for a dense one)."""
+        cfg = get_model_config(self.model_chunks[0])
+        return router_loss_metrics(forwards, cfg.num_layers) if cfg.num_moe_experts else {}
 
     def stability(self, iteration: int, batch: dict) -> dict:
         """Paper eq. 28: margin 1 + eta - lr * beta * tr(F) from per-sequence gradient norms."""

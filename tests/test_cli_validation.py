@@ -16,6 +16,7 @@ import pytest
 from emapg_megatron import train
 
 BASE = ["--preset", "tiny-cpu", "--dry-run"]
+EP_BATCH = ["--tensor-model-parallel-size", "1", "--micro-batch-size", "16", "--global-batch-size", "64"]
 
 
 def run_cli(*argv, env_world=None):
@@ -58,6 +59,23 @@ def test_cli_subprocess_exit_code():
     (["--vllm-tensor-parallel-size", "2", "--tensor-model-parallel-size", "1"], 1,
      "--vllm-tensor-parallel-size 2 must divide --tensor-model-parallel-size 1"),
     (["--vllm-gpu-memory-utilization", "0"], 2, "--vllm-gpu-memory-utilization must be in (0, 1]"),
+    # mixture of experts (issue 41)
+    ([*EP_BATCH, "--num-experts", "3", "--expert-model-parallel-size", "2"], 2,
+     "--expert-model-parallel-size 2 does not divide the 3 experts"),
+    (["--num-experts", "4", "--moe-router-topk", "5"], 2, "the router's top-k (5) exceeds the 4 experts"),
+    ([*EP_BATCH, "--expert-model-parallel-size", "2"], 2, "needs a mixture-of-experts model"),
+    (["--num-experts", "4", "--expert-model-parallel-size", "4", "--tensor-model-parallel-size", "1"], 2,
+     "expert TP=1 x EP=4 x PP=1 does not divide it"),
+    (["--num-experts", "4", "--moe-grouped-gemm", "--device", "cpu"], 2, "--moe-grouped-gemm runs on a GPU"),
+    (["--num-experts", "1000000000"], 2, "num_experts must be an integer from 1 to 4096"),
+    (["--num-experts", "4", "--moe-ffn-hidden-size", "1000000000"], 2, "moe_ffn_hidden_size must be an integer"),
+    (["--hidden-size", "100000000"], 2, "hidden_size must be an integer from 1 to 65536"),
+    ([*EP_BATCH, "--num-experts", "4", "--expert-model-parallel-size", "2", "--partial-rollouts"], 2,
+     "--partial-rollouts is not supported at --expert-model-parallel-size 2"),
+    ([*EP_BATCH, "--num-experts", "4", "--expert-model-parallel-size", "2", "--sequence-packing"], 2,
+     "--sequence-packing is not supported at --expert-model-parallel-size 2"),
+    (["--num-experts", "4", "--moe-token-dispatcher-type", "flex"], 2, "invalid choice: 'flex'"),
+    (["--num-experts", "4", "--moe-aux-loss-coeff", "-1"], 2, "--moe-aux-loss-coeff must be >= 0"),
     (["--vllm-weight-sync-bucket-mb", "0"], 2, "--vllm-weight-sync-bucket-mb must be > 0"),
     (["--kl-topk-tokens", "0"], 2, "--kl-loss-type topk-reverse needs --kl-topk-tokens >= 1"),
     (["--kl-loss-type", "topk-alpha"], 2, "--kl-loss-type topk-alpha needs --kl-alpha"),
@@ -245,3 +263,15 @@ def test_unwritable_output_paths_stop_before_any_work(tmp_path):
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), pytest.raises(SystemExit) as e:
             train.main(["--preset", "tiny-cpu", "--tensor-model-parallel-size", "1", flag, str(blocker / "sub")])
         assert e.value.code == 2 and err.getvalue().strip() == f"error: {flag} {blocker / 'sub'}: {blocker} is not a directory"
+
+
+def test_vllm_refuses_a_mixture_of_experts_policy():
+    """The resolved architecture decides (a MoE --load-hf as much as --num-experts)."""
+    from emapg_megatron.arguments import parse_args, validate_architecture
+    from emapg_megatron.errors import ConfigError
+    from emapg_megatron.models.config import ModelConfig
+
+    cfg = parse_args(["--preset", "tiny-cpu", "--rollout-engine", "vllm"])
+    validate_architecture(cfg, ModelConfig(vocab_size=13))
+    with pytest.raises(ConfigError, match="--rollout-engine vllm does not sample mixture-of-experts"):
+        validate_architecture(cfg, ModelConfig(vocab_size=13, num_experts=4))

@@ -233,9 +233,10 @@ class MoEOptions:
     """The load-balancing loss: over the batch (aux_loss), per sequence (seq_aux_loss), or none."""
     aux_loss_coeff: float = option(0.0, flag="--moe-aux-loss-coeff", range=at_least(0))
     """Weight of the load-balancing loss, added to the policy loss through Megatron's own
-    mechanism (its gradient enters in the backward) and logged as moe_aux_loss."""
+    mechanism (its gradient enters in the backward, as a mean over micro-batches) and logged,
+    before the weight, as moe_aux_loss (1 for a perfectly balanced router)."""
     z_loss_coeff: float | None = option(None, flag="--moe-z-loss-coeff", range=at_least(0))
-    """Weight of the router z-loss (logged as moe_z_loss); default none."""
+    """Weight of the router z-loss (logged before the weight as moe_z_loss); default none."""
     router_dtype: str | None = option(None, flag="--moe-router-dtype", choices=("fp32", "fp64"))
     """Compute the router's softmax and top-k in this dtype; default the model's."""
     grouped_gemm: bool = option(False, flag="--moe-grouped-gemm")

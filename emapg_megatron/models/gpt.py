@@ -245,12 +245,19 @@ def unwrap(model):
     return model
 
 
+EXPERTS = "mlp.experts.local_experts."
+
+
 @torch.no_grad()
 def global_param_name(gpt_model, name: str) -> str:
-    """Rename local ``decoder.layers.i.`` to the global layer index (PP-stage independent)."""
+    """Rename local ``decoder.layers.i.`` to the global layer index (PP-stage independent), and a
+    MoE layer's local expert ``j`` to its global expert index (EP-rank independent)."""
     prefix = "decoder.layers."
     if not name.startswith(prefix):
         return name
     local, rest = name[len(prefix):].split(".", 1)
-    global_index = gpt_model.decoder.layers[int(local)].layer_number - 1
-    return f"{prefix}{global_index}.{rest}"
+    layer = gpt_model.decoder.layers[int(local)]
+    if rest.startswith(EXPERTS):
+        j, tail = rest[len(EXPERTS):].split(".", 1)
+        rest = f"{EXPERTS}{layer.mlp.local_expert_indices[int(j)]}.{tail}"
+    return f"{prefix}{layer.layer_number - 1}.{rest}"

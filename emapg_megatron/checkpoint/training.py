@@ -221,6 +221,7 @@ def current_layout(sharded_state_dict: dict | None = None) -> dict:
         "tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
         "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
         "data_parallel_size": ps.get_data_parallel_world_size(),
+        "expert_model_parallel_size": ps.get_expert_model_parallel_world_size(),
         "optimizer": optimizer_format((sharded_state_dict or {}).get("optimizer")),
     }
 
@@ -234,6 +235,8 @@ def saved_layout(checkpoint) -> dict:
         where = checkpoint.common_where
         _check_entries(trainer, {LAYOUT_KEY: _DICT}, where)
         _check_entries(trainer[LAYOUT_KEY], _LAYOUT, where, f"{LAYOUT_KEY}.")
+        if "expert_model_parallel_size" in trainer[LAYOUT_KEY]:  # recorded since MoE (issue 41)
+            _check_entries(trainer[LAYOUT_KEY], {"expert_model_parallel_size": _SIZE}, where, f"{LAYOUT_KEY}.")
         return trainer[LAYOUT_KEY]
     shards = [fqn for fqn in (checkpoint.metadata.state_dict_metadata if checkpoint.metadata else ())
               if isinstance(fqn, str) and fqn.startswith("rng_state/shard_")]
@@ -273,8 +276,9 @@ def check_layout(saved: dict, now: dict, path: str) -> None:
                           f"'{after.split(':', 1)[1]}'; they cannot be converted")
     if (before or "").startswith("distributed") and after is not None:
         for key, flag in (("tensor_model_parallel_size", "--tensor-model-parallel-size"),
-                          ("pipeline_model_parallel_size", "--pipeline-model-parallel-size")):
-            if saved.get(key) is not None and saved[key] != now[key]:
+                          ("pipeline_model_parallel_size", "--pipeline-model-parallel-size"),
+                          ("expert_model_parallel_size", "--expert-model-parallel-size")):
+            if saved.get(key) is not None and now.get(key) is not None and saved[key] != now[key]:
                 raise ConfigError(
                     f"--load {path}: the distributed optimizer's state was saved at "
                     f"{flag.lstrip('-').replace('-', ' ')} {saved[key]} and can only be resharded "

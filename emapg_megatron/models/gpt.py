@@ -212,7 +212,23 @@ def build_gpt_model(cfg: ModelConfig, *, tp: int = 1, pp: int = 1, pre_process: 
         rope_scaling_factor=cfg.rope_scaling_factor or 8.0,
         vp_stage=vp_stage,
     )
+    if cfg.is_moe:
+        mark_experts_expert_parallel(model)
     return model
+
+
+def mark_experts_expert_parallel(model) -> None:
+    """Mark every expert weight as expert-parallel (``allreduce=False``) at any EP size.
+
+    Megatron marks them so only at EP > 1, and its DDP and optimizer split the parameters by that
+    mark: at EP = 1 the experts would share the dense params' buffers and optimizer, at EP > 1
+    they get their own (reduced over the expert data-parallel group, which at EP = 1 is the
+    data-parallel group itself, so nothing changes numerically). With one split at every EP a
+    checkpoint's optimizer state has the same structure at EP = 1 and EP = 2 and reshards across.
+    """
+    for name, param in model.named_parameters():
+        if EXPERTS in name or ".experts." in name:
+            param.allreduce = False
 
 
 def build_for_this_rank(cfg: ModelConfig, prec: PrecisionConfig | None = None, *,

@@ -130,3 +130,15 @@ def test_load_of_a_tampered_checkpoint_runs_nothing(tp2_run, tmp_path):
     assert f"error: refusing to load {ckpt / 'iter_0000002' / '.metadata'}: it references " \
            f"posix.system" in r.stdout + r.stderr
     assert not (tmp_path / "pwned").exists()
+
+
+def test_the_distributed_optimizer_does_not_reshard_experts_over_ep():
+    """Its expert state is sharded over the expert data-parallel ranks, which EP changes; a
+    checkpoint from before EP was recorded is let through."""
+    saved = dict(DIST, expert_model_parallel_size=2)
+    with pytest.raises(ConfigError, match="expert model parallel size 2 .* --expert-model-parallel-size 2"):
+        checkpointing.check_layout(saved, dict(DIST, expert_model_parallel_size=1), "CKPT")
+    checkpointing.check_layout(saved, dict(DIST, expert_model_parallel_size=2, world_size=4), "CKPT")
+    checkpointing.check_layout(DIST, dict(DIST, expert_model_parallel_size=2), "CKPT")
+    checkpointing.check_layout(dict(LOCAL, expert_model_parallel_size=2),
+                               dict(LOCAL, expert_model_parallel_size=1), "CKPT")  # the local one reshards

@@ -45,3 +45,28 @@ def train_steps_from(argv: list, steps: int, weights: dict) -> dict:
         build.load_initial_weights = real
     out["expert_keys"] = sorted(k for k in out["params"] if ".local_experts." in k)
     return out
+
+
+def run_from(argv: list, weights: dict) -> list:
+    """The whole run (``emapg_megatron.train.run``: --save / --load, the loop, metrics.jsonl) from
+    ``weights`` when it does not resume; returns its metrics.jsonl rows (every rank reads them)."""
+    import os
+
+    from emapg_megatron import build, train
+    from emapg_megatron.run.metrics import read_jsonl
+
+    def load(chunks, optimizer, cfg, model_cfg):
+        with torch.no_grad():
+            for key, p in _named(chunks).items():
+                p.copy_(weights[key])
+        optimizer.reload_model_params()
+
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()  # train.run builds the run's own groups
+    real, build.load_initial_weights = build.load_initial_weights, load
+    try:
+        assert train.run(argv) == 0
+    finally:
+        build.load_initial_weights = real
+    return read_jsonl(os.path.join(argv[argv.index("--log-dir") + 1], "metrics.jsonl"))

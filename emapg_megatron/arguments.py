@@ -281,6 +281,14 @@ def validate_architecture(cfg: RunConfig, model_cfg: ModelConfig) -> None:
         _check(cfg.sampler.engine != "vllm", "--rollout-engine vllm does not sample mixture-of-experts "
                                              "policies yet (the weight sync has no expert mapping): use "
                                              "the built-in sampler")
+    if cfg.moe.routing_replay != "none":
+        _check(model_cfg.is_moe, f"--moe-routing-replay {cfg.moe.routing_replay} needs a mixture-of-experts "
+                                 "model: this one is dense")
+        for flag, on in (("--sequence-parallel", cfg.parallel.sequence_parallel),
+                         ("--pipeline-model-parallel-size > 1", pp > 1),
+                         ("--sequence-packing", cfg.step.sequence_packing)):
+            _check(not on, f"--moe-routing-replay {cfg.moe.routing_replay} does not support {flag} yet "
+                           "(the recorded routes are laid out per padded sequence, on every stage)")
     if ep > 1:  # the expert group's ranks must run the same forwards (rollout/expert_group.py)
         for flag, on in (("--partial-rollouts", cfg.partial_rollouts.enabled),
                          ("--sequence-packing", cfg.step.sequence_packing)):

@@ -14,7 +14,7 @@ import importlib.util
 import json
 import os
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -227,8 +227,9 @@ def build_anchor(inputs: RunInputs, chunks, optimizer):
     if inputs.teacher_cfg is None:
         return EmaAnchor(chunks, optimizer, cfg.ema)
     t = inputs.teacher_cfg
+    # the teacher routes itself: only the policy replays routes (models/routing_replay.py)
     teacher = Teacher.build(cfg.teacher, t, cfg.precision, sequence_parallel=cfg.parallel.sequence_parallel,
-                            moe=cfg.moe)
+                            moe=replace(cfg.moe, routing_replay="none"))
     log0(f"teacher {cfg.teacher.path}: {t.num_layers} layers, hidden {t.hidden_size}, "
          f"{teacher.memory_bytes() / 2**20:.1f} MiB of weights on rank 0")
     return teacher

@@ -24,6 +24,7 @@ from emapg_megatron.algo.advantages import compute_advantages
 from emapg_megatron.algo.config import StepConfig
 from emapg_megatron.algo.policy_loss import normaliser
 from emapg_megatron.kl import sequence_kl_penalized_reward
+from emapg_megatron.models.routing_replay import route_dtype
 from emapg_megatron.rollout.engine import logprob_mismatch
 from emapg_megatron.step.metrics import LOSS_KEYS, StepRecord, step_metrics
 from emapg_megatron.step.passes import PolicyPasses
@@ -182,11 +183,13 @@ class Trainer:
         micro-batch plan serves both: the lengths do not change."""
         plan = self.batching.plan(batch)  # packing: a collective over DP
 
-        def run(pass_fn, batch, chunks):
+        def run(pass_fn, batch, chunks, record_routes=None):
             mbs = plan.split(batch)
-            return plan.merge(forward_only(chunks, mbs, pass_fn, fused_lmhead=self.passes.head.fused), mbs)
+            return plan.merge(forward_only(chunks, mbs, pass_fn, fused_lmhead=self.passes.head.fused,
+                                           record_routes=record_routes), mbs)
 
-        batch = {**batch, **run(self.passes.old, batch, self.model_chunks)}
+        # under routing replay the old pass records each token's experts for the training passes
+        batch = {**batch, **run(self.passes.old, batch, self.model_chunks, self.routes_dtype())}
         with self.state.anchor.model() as anchor_chunks:  # the EMA swapped in, or the teacher
             batch = {**batch, **run(self.passes.anchor, batch, anchor_chunks)}  # with the old pass's top-k ids
         return batch, plan.padding_fraction
@@ -235,6 +238,11 @@ class Trainer:
         # updates shows them in "updates_refused" (its applied updates are health-checked).
         return {**totals, "skipped": float(applied == 0), "updates_applied": applied,
                 "updates_refused": refused, "router": self.router_losses(forwards)}
+
+    def routes_dtype(self):
+        """The dtype of recorded routes under --moe-routing-replay, else None (no recording)."""
+        cfg = get_model_config(self.model_chunks[0])
+        return route_dtype(cfg.num_moe_experts) if getattr(cfg, "moe_enable_routing_replay", False) else None
 
     def router_losses(self, forwards: int) -> dict:
         """A MoE policy's router losses of this step's training forwards (none for a dense one)."""

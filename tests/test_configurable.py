@@ -35,7 +35,8 @@ ADDED = {"--overwrite", "--kl-reference-clamps", "--rollout-dump-interval", "--w
          # mixture of experts (issue 41): Megatron-LM's names
          "--num-experts", "--moe-router-topk", "--moe-ffn-hidden-size", "--expert-model-parallel-size",
          "--expert-tensor-parallel-size", "--moe-token-dispatcher-type", "--moe-router-load-balancing-type",
-         "--moe-aux-loss-coeff", "--moe-z-loss-coeff", "--moe-router-dtype", "--moe-grouped-gemm"}  # flags added since, on purpose
+         "--moe-aux-loss-coeff", "--moe-z-loss-coeff", "--moe-router-dtype", "--moe-grouped-gemm",
+         "--moe-routing-replay"}  # flags added since, on purpose
 ADDED_ALIASES = {"--rl-partial-rollouts"}  # other names of added flags
 NEGATED = {"--no-task-reward", "--no-inference-fixed-shape-decode", "--no-inference-cuda-graphs",
            "--no-inference-continuous-batching"}  # the negations of added switches

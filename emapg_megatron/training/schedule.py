@@ -18,6 +18,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 
 from emapg_megatron.models.hidden_output import output_layer_bypassed
+from emapg_megatron.models.routing_replay import ROUTES, recording, replaying
 from emapg_megatron.parallel.output_heads import HiddenAndWeight
 from emapg_megatron.training.microbatches import layout_of
 from emapg_megatron.training.packing import rope_at
@@ -85,19 +86,28 @@ def _run(model_chunks, microbatches: list[dict], forward_step, *, forward_only: 
 
 
 def forward_only(model_chunks, microbatches: list[dict],
-                 compute: Callable[[torch.Tensor, dict], dict], *, fused_lmhead: bool = False) -> list[dict]:
+                 compute: Callable[[torch.Tensor, dict], dict], *, fused_lmhead: bool = False,
+                 record_routes: torch.dtype | None = None) -> list[dict]:
     """``compute(head_input, mb)`` per micro-batch on the last stage (no grad): the logits shard,
-    or with ``fused_lmhead`` the ``HiddenAndWeight``.
+    or with ``fused_lmhead`` the ``HiddenAndWeight``. ``record_routes``: also the experts a MoE
+    policy's routers chose for each token, as ``ROUTES`` in that dtype (``models.routing_replay``).
 
     Returns the list of ``compute`` outputs on the last pipeline stage, ``[]`` elsewhere.
     """
 
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
-        out, head_input = _output(model, mb, fused_lmhead)
+        if record_routes is None:
+            out, head_input = _output(model, mb, fused_lmhead)
+            routes = None
+        else:
+            with recording(model, *mb["tokens"].shape, record_routes) as recorded:
+                out, head_input = _output(model, mb, fused_lmhead)
+                routes = recorded()
 
         def collect(output, non_loss_data=False):
-            return compute(head_input(output), mb)
+            got = compute(head_input(output), mb)
+            return got if routes is None else {**got, ROUTES: routes}
 
         return out, collect
 
@@ -114,12 +124,14 @@ def forward_backward(model_chunks, microbatches: list[dict],
 
     Megatron divides each micro-batch loss by the number of micro-batches and DDP averages
     over data-parallel ranks; ``loss`` must be scaled accordingly by the caller. Returns the
-    per-micro-batch metrics dicts on the last stage.
+    per-micro-batch metrics dicts on the last stage. A micro-batch carrying ``ROUTES`` (a MoE
+    policy under routing replay) is routed by them.
     """
 
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
-        out, head_input = _output(model, mb, fused_lmhead)
+        with replaying(model, mb.get(ROUTES)):
+            out, head_input = _output(model, mb, fused_lmhead)
         return out, lambda output: loss(head_input(output), mb)
 
     return _run(model_chunks, microbatches, forward_step, forward_only=False,

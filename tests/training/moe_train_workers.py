@@ -70,3 +70,50 @@ def run_from(argv: list, weights: dict) -> list:
     finally:
         build.load_initial_weights = real
     return read_jsonl(os.path.join(argv[argv.index("--log-dir") + 1], "metrics.jsonl"))
+
+
+def replay_against_a_perturbed_router() -> dict:
+    """A MoE policy under routing replay: routes recorded by a forward-only pass; the router then
+    perturbed; a forward without replay routes differently, one replaying the recorded routes
+    routes exactly as recorded (read from the routers' routing maps by a forward hook)."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from emapg_megatron.models.config import ModelConfig, MoEOptions
+    from emapg_megatron.models.gpt import build_for_this_rank
+    from emapg_megatron.models.routing_replay import ROUTES, route_dtype
+    from emapg_megatron.training.schedule import forward_backward, forward_only
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=32, make_vocab_size_divisible_by=8, hidden_size=32, ffn_hidden_size=64,
+                      num_layers=2, num_attention_heads=4, num_experts=8, moe_router_topk=2,
+                      max_position_embeddings=16, qk_layernorm=True)
+    model = build_for_this_rank(cfg, moe=MoEOptions(routing_replay="r2"))
+    routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
+    maps = []
+    hooks = [r.register_forward_hook(lambda mod, inp, out: maps.append(out[1].detach().clone()))
+             for r in routers]
+    tokens = torch.randint(0, 32, (3, 12), generator=torch.Generator().manual_seed(1)).to(
+        next(model.parameters()).device)
+    mbs = [{"tokens": tokens}]
+    recorded = forward_only([model], mbs, lambda out, mb: {"logits_sum": out.float().sum().view(1)},
+                            record_routes=route_dtype(cfg.num_experts))[0][ROUTES]
+    old_maps, maps[:] = list(maps), []
+    with torch.no_grad():
+        for r in routers:
+            r.weight.add_(torch.randn_like(r.weight))
+    forward_only([model], mbs, lambda out, mb: {})
+    fresh_maps, maps[:] = list(maps), []
+    forward_backward([model], [{"tokens": tokens, ROUTES: recorded}],
+                     lambda out, mb: (out.float().square().mean(), {}))
+    replayed_maps = list(maps)
+    for h in hooks:
+        h.remove()
+    grads = {n: p.grad is not None or getattr(p, "main_grad", None) is not None
+             for n, p in model.named_parameters() if ".router." in n}
+
+    def disagreement(a, b):  # share of tokens whose expert set differs, per layer
+        return [float((x != y).any(-1).float().mean()) for x, y in zip(a, b)]
+
+    return {"shape": tuple(recorded.shape), "dtype": str(recorded.dtype),
+            "fresh": disagreement(fresh_maps, old_maps), "replayed": disagreement(replayed_maps, old_maps),
+            "router_grads": grads}

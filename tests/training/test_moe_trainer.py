@@ -119,3 +119,31 @@ def test_checkpoint_resumes_exactly_and_reshards_experts(saved_ep, resumed_ep, w
         uninterrupted = _run(2, 2, [*BASE, *EP2, "--train-iters", "3", "--log-dir", str(tmp_path / "c")],
                              weights)
         assert {k: third[k] for k in COMPARED} == {k: uninterrupted[2][k] for k in COMPARED}
+
+
+def test_routing_replay_routes_as_recorded_against_a_perturbed_router():
+    """--moe-routing-replay r2's mechanism (Megatron's RouterReplay, driven by the old pass's
+    recording and the training pass's micro-batches): once the router is perturbed, fresh routing
+    disagrees with the recorded routes on many tokens, replayed routing on none."""
+    from moe_train_workers import replay_against_a_perturbed_router
+
+    (out,) = run_distributed(replay_against_a_perturbed_router, 1, timeout=300)
+    assert out["shape"] == (3, 12, 2, 2) and out["dtype"] == "torch.uint8"  # [b, s, layers, k]
+    assert min(out["fresh"]) > 0.2, out["fresh"]
+    assert out["replayed"] == [0.0, 0.0]
+
+
+def test_routing_replay_at_ep2_trains_like_one_rank(weights, reference):
+    """R2 at EP=2 (routes recorded and replayed per rank) gives the one-rank R2 run's metrics,
+    and differs from the run without replay (the routes it replays are not the fresh ones)."""
+    from moe_train_workers import train_steps_from
+
+    argv = [*BASE, "--moe-routing-replay", "r2"]
+    (one,) = run_distributed(train_steps_from, 1, args=(argv, STEPS, weights), timeout=600)
+    outs = run_distributed(train_steps_from, 2, ep=2, args=([*argv, *EP2], STEPS, weights), timeout=600)
+    for out in outs:
+        for m, r in zip(out["metrics"], one["metrics"], strict=True):
+            for k in COMPARED:
+                assert m[k] == pytest.approx(r[k], rel=1e-4, abs=1e-7), (k, m["step"])
+    assert one["metrics"][-1]["kl"] != 0
+    assert any(m["kl"] != r["kl"] for m, r in zip(one["metrics"], reference["metrics"]))  # replay acted

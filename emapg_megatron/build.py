@@ -63,6 +63,7 @@ from emapg_megatron.rollout.expert_group import ExpertGroupEngine
 from emapg_megatron.rollout.megatron_sampler import MegatronSampler
 from emapg_megatron.rollout.partial import InFlight
 from emapg_megatron.run.loop import log0
+from emapg_megatron.step.moe import MoERouting
 from emapg_megatron.step.passes import PolicyPasses
 from emapg_megatron.step.state import TrainState
 from emapg_megatron.tasks import get_task
@@ -199,8 +200,12 @@ def build_trainer(inputs: RunInputs) -> Trainer:
     engine = build_rollout_engine(cfg, chunks, model_cfg, inputs.tokenizer)
     collector = build_collector(inputs, engine)
     state = TrainState(chunks, optimizer, scheduler, build_anchor(inputs, chunks, optimizer), collector)
+    routing = MoERouting.for_policy(model_cfg, cfg.moe, pipeline=cfg.parallel.pipeline_model_parallel_size,
+                                    sequence_parallel=cfg.parallel.sequence_parallel,
+                                    packing=cfg.step.sequence_packing)
     return Trainer(state=state, collector=collector, engine=engine, task=inputs.task, monitor=monitor,
-                   passes=PolicyPasses(cfg.kl, cfg.loss, model_cfg.vocab_size, head), step_cfg=cfg.step)
+                   passes=PolicyPasses(cfg.kl, cfg.loss, model_cfg.vocab_size, head), step_cfg=cfg.step,
+                   routing=routing)
 
 
 def sampling_settings(cfg: RunConfig, task) -> SamplingSettings:
@@ -229,7 +234,7 @@ def build_anchor(inputs: RunInputs, chunks, optimizer):
     t = inputs.teacher_cfg
     # the teacher routes itself: only the policy replays routes (models/routing_replay.py)
     teacher = Teacher.build(cfg.teacher, t, cfg.precision, sequence_parallel=cfg.parallel.sequence_parallel,
-                            moe=replace(cfg.moe, routing_replay="none"))
+                            moe=replace(cfg.moe, routing_replay="none", record_routes=False))
     log0(f"teacher {cfg.teacher.path}: {t.num_layers} layers, hidden {t.hidden_size}, "
          f"{teacher.memory_bytes() / 2**20:.1f} MiB of weights on rank 0")
     return teacher

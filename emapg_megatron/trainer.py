@@ -24,7 +24,6 @@ from emapg_megatron.algo.advantages import compute_advantages
 from emapg_megatron.algo.config import StepConfig
 from emapg_megatron.algo.policy_loss import normaliser
 from emapg_megatron.kl import sequence_kl_penalized_reward
-from emapg_megatron.models.routing_replay import route_dtype
 from emapg_megatron.rollout.engine import logprob_mismatch
 from emapg_megatron.step.metrics import LOSS_KEYS, StepRecord, step_metrics
 from emapg_megatron.step.passes import PolicyPasses
@@ -34,7 +33,6 @@ from emapg_megatron.training.collectives import gather_at, gather_cat, reduce_su
 from emapg_megatron.training.microbatches import microbatching
 from emapg_megatron.training.model_and_optimizer import zero_grads
 from emapg_megatron.training.optimizer_step import check_weights, step_if_finite
-from emapg_megatron.training.router_losses import router_loss_metrics
 from emapg_megatron.training.schedule import forward_backward, forward_only
 
 
@@ -73,7 +71,8 @@ class StepResult:
 
 class Trainer:
     def __init__(self, *, state: TrainState, collector, engine, task, passes: PolicyPasses,
-                 step_cfg: StepConfig, monitor=None, monitor_sequences: int = 2, batching=None):
+                 step_cfg: StepConfig, monitor=None, monitor_sequences: int = 2, batching=None,
+                 routing=None):
         self.state = state
         self.collector = collector  # fresh or partial rollouts: the trainer never asks which
         self.engine = engine  # the rollout engine: synced after each update
@@ -84,6 +83,7 @@ class Trainer:
         self.batching = batching or microbatching(step_cfg)
         self.monitor = monitor
         self.monitor_sequences = monitor_sequences
+        self.routing = routing  # a MoE policy's step.moe.MoERouting, else None
 
     @property
     def model_chunks(self) -> list:
@@ -103,6 +103,7 @@ class Trainer:
         all_rewards = gather_cat(rewards, self._dp()[2])  # rank-major: sequence seq_pos at seq_pos
         batch, imbalance = self.sequences(rollout.batch, rewards)
         batch, padding = self.no_grad_passes(batch)
+        batch, expert_load = self.routing.after_passes(batch) if self.routing else (batch, {})
         batch["advantages"] = self.advantages(batch, all_rewards)
         passed = time.monotonic()
         mismatch = self.rollout_mismatch(batch)
@@ -116,8 +117,8 @@ class Trainer:
         metrics = step_metrics(record, n=self.cfg.num_samples, task_reward=self.cfg.task_reward,
                                anchor_metrics=self.state.anchor.metrics(),
                                lr=self.state.optimizer.param_groups[0]["lr"])
-        return StepResult({**metrics, **update["router"], **mismatch, **stability, **rollout.decode,
-                           **self.engine.metrics()},
+        return StepResult({**metrics, **update["router"], **expert_load, **mismatch, **stability,
+                           **rollout.decode, **self.engine.metrics()},
                           rollout.samples(rewards.tolist()))
 
     def shaped_rewards(self, rewards: torch.Tensor, batch: dict) -> torch.Tensor:
@@ -188,8 +189,9 @@ class Trainer:
             return plan.merge(forward_only(chunks, mbs, pass_fn, fused_lmhead=self.passes.head.fused,
                                            record_routes=record_routes), mbs)
 
-        # under routing replay the old pass records each token's experts for the training passes
-        batch = {**batch, **run(self.passes.old, batch, self.model_chunks, self.routes_dtype())}
+        # a MoE policy's old pass records each token's experts (routing replay, expert load)
+        record = self.routing.record_dtype if self.routing else None
+        batch = {**batch, **run(self.passes.old, batch, self.model_chunks, record)}
         with self.state.anchor.model() as anchor_chunks:  # the EMA swapped in, or the teacher
             batch = {**batch, **run(self.passes.anchor, batch, anchor_chunks)}  # with the old pass's top-k ids
         return batch, plan.padding_fraction
@@ -239,15 +241,9 @@ class Trainer:
         return {**totals, "skipped": float(applied == 0), "updates_applied": applied,
                 "updates_refused": refused, "router": self.router_losses(forwards)}
 
-    def routes_dtype(self):
-        """The dtype of recorded routes under --moe-routing-replay, else None (no recording)."""
-        cfg = get_model_config(self.model_chunks[0])
-        return route_dtype(cfg.num_moe_experts) if getattr(cfg, "moe_enable_routing_replay", False) else None
-
     def router_losses(self, forwards: int) -> dict:
         """A MoE policy's router losses of this step's training forwards (none for a dense one)."""
-        cfg = get_model_config(self.model_chunks[0])
-        return router_loss_metrics(forwards, cfg.num_layers) if cfg.num_moe_experts else {}
+        return self.routing.router_losses(forwards) if self.routing else {}
 
     def stability(self, iteration: int, batch: dict) -> dict:
         """Paper eq. 28: margin 1 + eta - lr * beta * tr(F) from per-sequence gradient norms."""

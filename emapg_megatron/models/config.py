@@ -247,6 +247,10 @@ class MoEOptions:
     """Run the local experts as one grouped GEMM (Transformer Engine on a GPU) instead of one
     GEMM per expert."""
 
+    record_routes: bool = True
+    """Not a flag: whether the routers record routes (Megatron's RouterReplay), for the expert
+    load metrics and replay; off for a teacher, which routes itself and records nothing."""
+
     def validate(self) -> None:
         check_fields(self)
 

@@ -93,7 +93,7 @@ def moe_config(cfg: ModelConfig, moe: MoEOptions | None, ep: int = 1, etp: int |
                 moe_aux_loss_coeff=moe.aux_loss_coeff, moe_z_loss_coeff=moe.z_loss_coeff,
                 moe_router_dtype=moe.router_dtype, moe_grouped_gemm=moe.grouped_gemm,
                 moe_expert_capacity_factor=None, expert_model_parallel_size=ep,
-                expert_tensor_parallel_size=etp, moe_enable_routing_replay=moe.routing_replay != "none")
+                expert_tensor_parallel_size=etp, moe_enable_routing_replay=moe.record_routes)
 
 
 def validate_moe(cfg: ModelConfig, moe: MoEOptions | None, device_type: str) -> None:

@@ -10,11 +10,14 @@ weight afterwards, router and experts included (each global expert read from the
 
 import pytest
 import torch
-from trainer_launch import COMPARED
+from trainer_launch import COMPARED as DENSE_COMPARED
 
 from emapg_megatron.multiprocess import run_distributed
 
 pytestmark = pytest.mark.slow
+
+# the expert load (most-loaded expert over the mean, per layer, counted over all data ranks)
+COMPARED = (*DENSE_COMPARED, "moe_load_max_over_mean", "moe_load_max_over_mean_worst")
 
 STEPS = 3
 BASE = ["--preset", "tiny-cpu", "--tensor-model-parallel-size", "1", "--rollout-batch-size", "4",

@@ -166,10 +166,16 @@ def summarize(inputs: RunInputs) -> str:
     rows = [
         ("layout", f"world {world} = TP {par['tensor_model_parallel_size']} x PP "
                    f"{par['pipeline_model_parallel_size']} x DP {par['data_parallel_size']} "
-                   f"({cfg.parallel.resolved_device()})"),
+                   + (f"(experts: EP {par['expert_model_parallel_size']} x expert TP "
+                      f"{par['expert_tensor_parallel_size']} x expert DP {par['expert_data_parallel_size']}) "
+                      if "expert_model_parallel_size" in par else "")
+                   + f"({cfg.parallel.resolved_device()})"),
         ("model", f"{inputs.architecture or 'GPT'}: {m.num_layers} layers, hidden {m.hidden_size}, "
                   f"{m.num_attention_heads} heads ({m.num_query_groups or m.num_attention_heads} query groups), "
-                  f"vocab {m.vocab_size}" + (f", from {cfg.model.load_hf}" if cfg.model.load_hf else "")),
+                  f"vocab {m.vocab_size}"
+                  + (f"; {m.num_experts} experts per layer, top-{m.moe_router_topk}, routing replay "
+                     f"{cfg.moe.routing_replay}" if m.is_moe else "")
+                  + (f", from {cfg.model.load_hf}" if cfg.model.load_hf else "")),
         ("task", f"{cfg.task.name}: " + (f"prompts {NOT_CHECKED}" if inputs.prompts is None else
                  f"{len(inputs.prompts.rows)} prompts"
                  + (f" ({len(inputs.prompts.dropped)} too long, dropped)" if inputs.prompts.dropped else ""))),

@@ -34,8 +34,9 @@ from emapg_megatron.checkpoint.files import (
     commit,
     temp_dir_for,
 )
-from emapg_megatron.checkpoint.hf_config import (
+from emapg_megatron.checkpoint.hf_config import (  # noqa: F401 - architecture_for: build.py's
     ARCHITECTURES,
+    architecture_for,
     check_same_architecture,
     hf_config_from_model,
     hf_dtype,
@@ -93,15 +94,6 @@ def checkpoint_metadata(cfg: ModelConfig, arch: str, dtype: str, *, tp: int, pp:
     """What :data:`METADATA` records so a checkpoint loads without the HF directory."""
     return {"format": FORMAT, "architecture": arch, "model_config": cfg.to_dict(), "dtype": dtype,
             "saved_tp": tp, "saved_pp": pp, "hf_config": hf_config}
-
-
-def architecture_for(cfg: ModelConfig) -> str | None:
-    """The HF architecture that computes what ``cfg`` (a model built from flags) computes: the
-    one whose q/k/v bias and q/k layernorm match; None if none does."""
-    for arch, (_, qkv_bias, qk_norm) in ARCHITECTURES.items():
-        if (qkv_bias, qk_norm) == (cfg.add_qkv_bias, cfg.qk_layernorm):
-            return arch
-    return None
 
 
 def read_checkpoint_metadata(ckpt_dir: str | Path) -> dict:
@@ -287,22 +279,24 @@ def resolve_dtype(dtype: str | None, hf_cfg: dict) -> str:
     return dtype
 
 
-def hf_to_mcore(hf_dir: str | Path, out: str | Path, *, tp: int = 1, pp: int = 1,
+def hf_to_mcore(hf_dir: str | Path, out: str | Path, *, tp: int = 1, pp: int = 1, ep: int = 1,
                 dtype: str | None = None, make_vocab_size_divisible_by: int = 128,
                 overwrite: bool = False, progress: bool = True) -> dict:
-    """Convert an HF Llama / Qwen2 / Qwen3 directory into a Megatron ``torch_dist`` checkpoint.
+    """Convert an HF Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral directory into a Megatron
+    ``torch_dist`` checkpoint.
 
-    ``tp`` / ``pp`` are the layout it will be trained at: they are checked against the heads,
-    groups and layers and set the vocabulary padding; the checkpoint loads at any TP/PP.
-    Everything is validated before anything is written. Returns a summary dict.
+    ``tp`` / ``pp`` / ``ep`` are the layout it will be trained at: they are checked against the
+    heads, groups, layers and experts and set the vocabulary padding; the checkpoint loads at any
+    TP/PP/EP (each expert is stored at its global index). Everything is validated before anything
+    is written. Returns a summary dict.
     """
     check_output_apart(out, {"--hf-dir": hf_dir})
     hf_cfg = read_hf_config(hf_dir)
     cfg, arch = model_config_from_hf(hf_cfg, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
-    cfg.validate(tp, pp)
+    cfg.validate(tp, pp, ep)
     dtype = resolve_dtype(dtype, hf_cfg)
     reader = SafetensorsReader(hf_dir)
-    HFMapping(cfg).check_hf(reader.shapes())
+    HFMapping(cfg).source(reader.read, reader.shapes())
     out = Path(out)
     check_new_output(out, overwrite)
     with single_process_runtime():

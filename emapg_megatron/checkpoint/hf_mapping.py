@@ -216,6 +216,13 @@ RULES: tuple[Rule, ...] = (
          export=False),
 )
 
+#: Keys Megatron stores one tensor under in its two layer specs (stored key -> the other spec's):
+#: a MoE layer's pre-MLP norm is ``mlp.linear_fc1.layer_norm_weight`` in the local spec (as a dense
+#: layer's, fused into linear_fc1 under TE) but ``pre_mlp_layernorm.weight`` in Transformer
+#: Engine's, where nothing fuses it. A dense checkpoint stores the first under either spec.
+STORED_KEY_ALIASES = {
+    "decoder.layers.mlp.linear_fc1.layer_norm_weight": "decoder.layers.pre_mlp_layernorm.weight"}
+
 # HF tensors a checkpoint may carry that we do not need.
 _IGNORED_HF_SUFFIXES = (".rotary_emb.inv_freq",)
 

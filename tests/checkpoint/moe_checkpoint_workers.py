@@ -146,11 +146,39 @@ def parallel_job(hf_dirs: dict, root: str, save: str | None) -> dict:
     return out
 
 
+LOCAL_NORM_KEY = "decoder.layers.mlp.linear_fc1.layer_norm_weight"
+TE_NORM_KEY = "decoder.layers.pre_mlp_layernorm.weight"  # a MoE layer's, in TE's spec
+
+
 def export_job(hf_dirs: dict, root: str, saved: str) -> dict:
-    """One rank: mcore-to-hf of the checkpoints another layout saved (resharded to TP=EP=1)."""
-    from emapg_megatron.checkpoint import cli
+    """One rank: mcore-to-hf of the checkpoints another layout saved (resharded to TP=EP=1), and
+    of the converted ``qwen3_moe`` saved again with the key Transformer Engine's spec stores a MoE
+    layer's pre-MLP norm under."""
+    import json
+
+    from megatron.core import dist_checkpointing
+
+    from emapg_megatron import mcore_compat
+    from emapg_megatron.checkpoint import cli, convert
+    from emapg_megatron.models.gpt import build_for_this_rank
 
     root = Path(root)
-    return {name: cli.main(["mcore-to-hf", "--load", str(root / saved / name), "--out",
-                            str(root / (saved + "_hf") / name), "--no-progress"])
-            for name in MODELS}
+    out = {name: cli.main(["mcore-to-hf", "--load", str(root / saved / name), "--out",
+                           str(root / (saved + "_hf") / name), "--no-progress"])
+           for name in MODELS}
+    ckpt, te = root / "mcore" / "qwen3_moe", root / "te_keys"
+    model = build_for_this_rank(convert.checkpoint_model_config(ckpt))
+    convert.load_mcore([model], ckpt)
+    sharded = model.sharded_state_dict()
+    for sh in sharded.values():
+        if getattr(sh, "key", None) == LOCAL_NORM_KEY:
+            sh.key = TE_NORM_KEY
+    te.mkdir()
+    dist_checkpointing.save({"model": sharded, mcore_compat.VERSION_KEY: mcore_compat.VERSION}, str(te))
+    meta = {**convert.read_checkpoint_metadata(ckpt), "saved_tp": 1}
+    (te / convert.METADATA).write_text(json.dumps(meta))
+    out["te_stored_norm_keys"] = sorted(k for k in dist_checkpointing.load_tensors_metadata(str(te))
+                                        if k in (LOCAL_NORM_KEY, TE_NORM_KEY))
+    out["te_keys"] = cli.main(["mcore-to-hf", "--load", str(te), "--out", str(root / "te_keys_hf"),
+                               "--no-progress"])
+    return out

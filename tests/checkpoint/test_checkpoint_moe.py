@@ -168,6 +168,15 @@ def test_saved_at_pp2_ep2_exports_bit_identical(exported_from_pp2_ep2, hf_dirs, 
 
 
 @pytest.mark.slow
+def test_moe_checkpoint_with_te_norm_key_exports(exported_from_pp2_ep2, hf_dirs, root):
+    # Transformer Engine's spec stores a MoE layer's pre-MLP norm as pre_mlp_layernorm.weight,
+    # the local spec (the converter's) as mlp.linear_fc1.layer_norm_weight: both load.
+    assert exported_from_pp2_ep2["te_stored_norm_keys"] == ["decoder.layers.pre_mlp_layernorm.weight"]
+    assert exported_from_pp2_ep2["te_keys"] == 0
+    _assert_same_tensors(hf_state_dict(root / "te_keys_hf"), hf_state_dict(hf_dirs["qwen3_moe"]))
+
+
+@pytest.mark.slow
 def test_verify_cli_at_ep2(converted, hf_dirs, root, capsys):
     from emapg_megatron.checkpoint import cli
 

@@ -1,8 +1,8 @@
 """``emapg-convert`` (also ``tools/convert_checkpoint.py``): HF <-> Megatron-Core checkpoints.
 
-    emapg-convert hf-to-mcore --hf-dir D --out M --tp T --pp P [--dtype bf16|fp32]
+    emapg-convert hf-to-mcore --hf-dir D --out M --tp T --pp P [--ep E] [--dtype bf16|fp32]
     emapg-convert mcore-to-hf --load M --out D [--hf-template D0]
-    emapg-convert verify --hf-dir D --load M --tp T --pp P
+    emapg-convert verify --hf-dir D --load M --tp T --pp P [--ep E]
 
 The flags are generated from one config per command (``emapg_megatron.configurable``: each
 option's range and help next to it). User errors (a bad option value, unsupported architecture,
@@ -40,6 +40,9 @@ class HfToMcore:
     loads at any TP."""
     pp: int = option(1, range=between(1, MAX_PARALLEL))
     """Pipeline-parallel size it will be trained at (checks that it divides the layers)."""
+    ep: int = option(1, range=between(1, MAX_PARALLEL))
+    """Expert-parallel size a mixture of experts will be trained at (checks that it divides the
+    experts); it loads at any EP."""
     dtype: str | None = option(None, choices=("bf16", "fp32"))
     """Stored dtype (default: the HF checkpoint's; fp16 becomes bf16)."""
     make_vocab_size_divisible_by: int = option(128, range=between(1, INT_LIMITS["make_vocab_size_divisible_by"]))
@@ -82,6 +85,9 @@ class Verify:
     """Tensor-parallel size to load the checkpoint at (one rank per TP x PP)."""
     pp: int = option(1, range=between(1, MAX_PARALLEL))
     """Pipeline-parallel size to load it at."""
+    ep: int = option(1, range=between(1, MAX_PARALLEL))
+    """Expert-parallel size to load a mixture of experts at (TP x PP x EP ranks, expert TP =
+    TP)."""
     batch: int = option(2, range=at_least(1))
     """Sequences of random tokens compared."""
     seq_len: int = option(32, range=at_least(1))
@@ -118,14 +124,15 @@ def _run(command: str, cfg) -> dict:
     from emapg_megatron.checkpoint import convert, verify  # Megatron: after the flags are checked
 
     if command == "hf-to-mcore":
-        return convert.hf_to_mcore(cfg.hf_dir, cfg.out, tp=cfg.tp, pp=cfg.pp, dtype=cfg.dtype,
+        return convert.hf_to_mcore(cfg.hf_dir, cfg.out, tp=cfg.tp, pp=cfg.pp, ep=cfg.ep,
+                                   dtype=cfg.dtype,
                                    make_vocab_size_divisible_by=cfg.make_vocab_size_divisible_by,
                                    overwrite=cfg.overwrite, progress=not cfg.no_progress)
     if command == "mcore-to-hf":
         return convert.mcore_to_hf(cfg.load, cfg.out, hf_template=cfg.hf_template,
                                    max_shard_bytes=max(1, int(cfg.max_shard_size_gb * 1024**3)),
                                    overwrite=cfg.overwrite, progress=not cfg.no_progress)
-    return verify.verify(cfg.hf_dir, cfg.load, tp=cfg.tp, pp=cfg.pp, batch=cfg.batch,
+    return verify.verify(cfg.hf_dir, cfg.load, tp=cfg.tp, pp=cfg.pp, ep=cfg.ep, batch=cfg.batch,
                          seq_len=cfg.seq_len, seed=cfg.seed, device=cfg.device)
 
 

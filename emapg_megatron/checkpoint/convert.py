@@ -34,8 +34,9 @@ from emapg_megatron.checkpoint.files import (
     commit,
     temp_dir_for,
 )
-from emapg_megatron.checkpoint.hf_config import (
+from emapg_megatron.checkpoint.hf_config import (  # noqa: F401 - architecture_for: build.py's
     ARCHITECTURES,
+    architecture_for,
     check_same_architecture,
     hf_config_from_model,
     hf_dtype,
@@ -47,7 +48,7 @@ from emapg_megatron.checkpoint.hf_io import (
     StreamingSafetensorsWriter,
     copy_tokenizer_files,
 )
-from emapg_megatron.checkpoint.hf_mapping import HFMapping
+from emapg_megatron.checkpoint.hf_mapping import STORED_KEY_ALIASES, HFMapping
 from emapg_megatron.checkpoint.paths import TRACKER, iteration_dir
 from emapg_megatron.checkpoint.safe_load import (
     DCP_METADATA,
@@ -93,15 +94,6 @@ def checkpoint_metadata(cfg: ModelConfig, arch: str, dtype: str, *, tp: int, pp:
     """What :data:`METADATA` records so a checkpoint loads without the HF directory."""
     return {"format": FORMAT, "architecture": arch, "model_config": cfg.to_dict(), "dtype": dtype,
             "saved_tp": tp, "saved_pp": pp, "hf_config": hf_config}
-
-
-def architecture_for(cfg: ModelConfig) -> str | None:
-    """The HF architecture that computes what ``cfg`` (a model built from flags) computes: the
-    one whose q/k/v bias and q/k layernorm match; None if none does."""
-    for arch, (_, qkv_bias, qk_norm) in ARCHITECTURES.items():
-        if (qkv_bias, qk_norm) == (cfg.add_qkv_bias, cfg.qk_layernorm):
-            return arch
-    return None
 
 
 def read_checkpoint_metadata(ckpt_dir: str | Path) -> dict:
@@ -159,13 +151,13 @@ def check_stored_tensors(ckpt_dir: str | Path, cfg: ModelConfig, what: str) -> N
     ``.metadata``): Megatron would build the model and then stop in the load with a traceback,
     or ignore a stored tensor the model lacks. A folder without ``.metadata`` is no such
     checkpoint: its load refuses it."""
-    index = os.path.join(ckpt_dir, DCP_METADATA)
-    if not os.path.lexists(index):  # no torch_dist checkpoint: refused in one line when it is loaded
+    stored = _stored_model_keys(ckpt_dir)
+    if stored is None:  # no torch_dist checkpoint: refused in one line when it is loaded
         return
-    metadata = read_dcp_metadata(index)
-    stored = {key: tuple(m.size) for key, m in metadata.state_dict_metadata.items()
-              if isinstance(m, TensorStorageMetadata) and key.startswith(MODEL_KEY_PREFIXES)}
     expected = HFMapping(cfg).stored_shapes()
+    for key, alias in STORED_KEY_ALIASES.items():  # either spec's key (load_mcore reads both)
+        if cfg.is_moe and key in expected and key not in stored and alias in stored:
+            expected[alias] = expected.pop(key)
     problems = [f"{key} is not stored" for key in expected if key not in stored]
     problems += [f"{key} is stored but not in the model" for key in stored if key not in expected]
     problems += [f"{key}: stored {stored[key]}, expected {_shape_text(shape)}"
@@ -227,9 +219,36 @@ def load_mcore(model_chunks, ckpt_dir: str | Path) -> None:
     if not (Path(ckpt_dir) / "metadata.json").is_file():
         raise ConfigError(f"{ckpt_dir} is not a Megatron dist checkpoint (no metadata.json)")
     sharded = _sharded_state_dict(model_chunks)
+    _use_stored_keys(sharded, ckpt_dir)
     loaded = load_verified(sharded, str(ckpt_dir))  # nothing in the checkpoint may run
     for key, chunk in zip(sharded, model_chunks):
         unwrap(chunk).load_state_dict(loaded[key])
+
+
+def _stored_model_keys(ckpt_dir: str | Path) -> dict[str, tuple[int, ...]] | None:
+    """The model tensors' keys and global shapes a ``torch_dist`` checkpoint stores (read from its
+    checked ``.metadata``); None without one."""
+    index = os.path.join(ckpt_dir, DCP_METADATA)
+    if not os.path.lexists(index):
+        return None
+    metadata = read_dcp_metadata(index)
+    return {key: tuple(m.size) for key, m in metadata.state_dict_metadata.items()
+            if isinstance(m, TensorStorageMetadata) and key.startswith(MODEL_KEY_PREFIXES)}
+
+
+def _use_stored_keys(sharded: dict, ckpt_dir: str | Path) -> None:
+    """Point the model's sharded tensors at the key the other layer spec stored them under
+    (:data:`~emapg_megatron.checkpoint.hf_mapping.STORED_KEY_ALIASES`: a MoE checkpoint saved with
+    Transformer Engine's spec loads into the local spec's model and back)."""
+    stored = _stored_model_keys(ckpt_dir)
+    if stored is None:
+        return
+    aliases = {**STORED_KEY_ALIASES, **{v: k for k, v in STORED_KEY_ALIASES.items()}}
+    for chunk in sharded.values():
+        for sh in chunk.values() if isinstance(chunk, dict) else ():
+            key = getattr(sh, "key", None)
+            if key in aliases and key not in stored and aliases[key] in stored:
+                sh.key = aliases[key]
 
 
 def training_step_dir(load: str | Path) -> str:
@@ -287,22 +306,24 @@ def resolve_dtype(dtype: str | None, hf_cfg: dict) -> str:
     return dtype
 
 
-def hf_to_mcore(hf_dir: str | Path, out: str | Path, *, tp: int = 1, pp: int = 1,
+def hf_to_mcore(hf_dir: str | Path, out: str | Path, *, tp: int = 1, pp: int = 1, ep: int = 1,
                 dtype: str | None = None, make_vocab_size_divisible_by: int = 128,
                 overwrite: bool = False, progress: bool = True) -> dict:
-    """Convert an HF Llama / Qwen2 / Qwen3 directory into a Megatron ``torch_dist`` checkpoint.
+    """Convert an HF Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral directory into a Megatron
+    ``torch_dist`` checkpoint.
 
-    ``tp`` / ``pp`` are the layout it will be trained at: they are checked against the heads,
-    groups and layers and set the vocabulary padding; the checkpoint loads at any TP/PP.
-    Everything is validated before anything is written. Returns a summary dict.
+    ``tp`` / ``pp`` / ``ep`` are the layout it will be trained at: they are checked against the
+    heads, groups, layers and experts and set the vocabulary padding; the checkpoint loads at any
+    TP/PP/EP (each expert is stored at its global index). Everything is validated before anything
+    is written. Returns a summary dict.
     """
     check_output_apart(out, {"--hf-dir": hf_dir})
     hf_cfg = read_hf_config(hf_dir)
     cfg, arch = model_config_from_hf(hf_cfg, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
-    cfg.validate(tp, pp)
+    cfg.validate(tp, pp, ep)
     dtype = resolve_dtype(dtype, hf_cfg)
     reader = SafetensorsReader(hf_dir)
-    HFMapping(cfg).check_hf(reader.shapes())
+    HFMapping(cfg).source(reader.read, reader.shapes())
     out = Path(out)
     check_new_output(out, overwrite)
     with single_process_runtime():

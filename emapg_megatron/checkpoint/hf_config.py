@@ -1,10 +1,12 @@
-"""HF ``config.json`` <-> :class:`~emapg_megatron.models.gpt.ModelConfig` for Llama, Qwen2(.5), Qwen3.
+"""HF ``config.json`` <-> :class:`~emapg_megatron.models.gpt.ModelConfig` for Llama, Qwen2(.5), Qwen3
+and the mixtures of experts Qwen3-MoE and Mixtral.
 
 Anything the Megatron model builder cannot reproduce exactly (RoPE scaling, sliding windows,
-attention biases beyond Qwen2's q/k/v, non-SiLU MLPs) is rejected with a one-line
-:class:`ConfigError` rather than converted into a model that silently computes something else.
-So is a config.json that is not a JSON object, or whose architecture entries have the wrong type
-or lie outside :data:`_INT_LIMITS` (:func:`check_hf_config`), before anything is sized by them.
+attention biases beyond Qwen2's q/k/v, non-SiLU MLPs, dense layers mixed into a MoE model, shared
+experts) is rejected with a one-line :class:`ConfigError` rather than converted into a model that
+silently computes something else. So is a config.json that is not a JSON object, or whose
+architecture entries have the wrong type or lie outside :data:`_INT_LIMITS`
+(:func:`check_hf_config`), before anything is sized by them.
 """
 
 from __future__ import annotations
@@ -21,12 +23,17 @@ ARCHITECTURES = {
     "LlamaForCausalLM": ("llama", False, False),
     "Qwen2ForCausalLM": ("qwen2", True, False),
     "Qwen3ForCausalLM": ("qwen3", False, True),
+    "Qwen3MoeForCausalLM": ("qwen3_moe", False, True),
+    "MixtralForCausalLM": ("mixtral", False, False),
 }
+#: The mixture-of-experts architectures (every layer's MLP routed to experts).
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
 
 # ModelConfig fields that describe the network (the rest are Megatron-side choices).
 ARCH_FIELDS = ("vocab_size", "hidden_size", "ffn_hidden_size", "num_layers", "num_attention_heads",
                "num_query_groups", "kv_channels", "rotary_base", "norm_epsilon", "add_qkv_bias",
-               "qk_layernorm", "tie_word_embeddings", "rope_scaling_factor")
+               "qk_layernorm", "tie_word_embeddings", "rope_scaling_factor", "num_experts",
+               "moe_router_topk", "moe_ffn_hidden_size", "moe_norm_topk_prob")
 
 _DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
@@ -44,12 +51,19 @@ _INT_LIMITS = {hf: (required, INT_LIMITS[ours]) for hf, ours, required in (
     ("num_key_value_heads", "num_query_groups", False),
     ("head_dim", "kv_channels", False),
     ("max_position_embeddings", "max_position_embeddings", False),
+    # Mixture of experts: Qwen3-MoE's num_experts (transformers 5 writes num_local_experts),
+    # Mixtral's num_local_experts; the experts' width (Qwen3-MoE; Mixtral's is intermediate_size).
+    ("num_experts", "num_experts", False),
+    ("num_local_experts", "num_experts", False),
+    ("num_experts_per_tok", "moe_router_topk", False),
+    ("moe_intermediate_size", "moe_ffn_hidden_size", False),
 )}
 # Entries read as positive numbers, at the top level and in rope_parameters / rope_scaling.
 _POSITIVE = ("rope_theta", "rms_norm_eps", "factor", "low_freq_factor", "high_freq_factor",
              "original_max_position_embeddings")
 _TYPES = {"architectures": list, "rope_parameters": dict, "rope_scaling": dict,
-          "layer_types": list, "tie_word_embeddings": bool}
+          "layer_types": list, "tie_word_embeddings": bool, "norm_topk_prob": bool,
+          "mlp_only_layers": list, "decoder_sparse_step": int}
 
 
 def read_hf_config(hf_dir: str | Path) -> dict:
@@ -84,9 +98,10 @@ def check_hf_config(hf: dict, where: str = "config.json") -> None:
             if value is not None and not (is_number(value) and value > 0):
                 raise ConfigError(f"{where}: {prefix}{name} must be a positive number "
                                   f"(got {shown(value)})")
-    std = hf.get("initializer_range")
-    if std is not None and not (is_number(std) and std >= 0):
-        raise ConfigError(f"{where}: initializer_range must be a number >= 0 (got {shown(std)})")
+    for name in ("initializer_range", "router_jitter_noise"):
+        value = hf.get(name)
+        if value is not None and not (is_number(value) and value >= 0):
+            raise ConfigError(f"{where}: {name} must be a number >= 0 (got {shown(value)})")
 
 
 def hf_architecture(hf: dict) -> str:
@@ -148,11 +163,55 @@ def _reject_unsupported(hf: dict, arch: str) -> None:
         problems.append(f"rope scaling {shown(rope_kind)}")
     if hf.get("use_sliding_window"):
         problems.append("use_sliding_window=true")
+    if arch == "MixtralForCausalLM" and hf.get("sliding_window") is not None:
+        problems.append(f"sliding_window={shown(hf['sliding_window'])} (only null)")
     if any(t != "full_attention" for t in hf.get("layer_types") or []):
         problems.append("non-full-attention layer_types")
     if problems:
         raise ConfigError(f"{arch} config uses features the Megatron builder does not reproduce: "
                           + "; ".join(problems))
+    if arch in MOE_ARCHITECTURES:
+        _reject_unsupported_moe(hf, arch)
+
+
+# Keys of other MoE families (shared experts, leading dense layers) that no supported
+# architecture reads: set, they would describe a network the conversion does not build.
+_FOREIGN_MOE_KEYS = ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts",
+                     "first_k_dense_replace")
+
+
+def _reject_unsupported_moe(hf: dict, arch: str) -> None:
+    """Every layer a MoE layer of routed experts only, top-k at most the expert count."""
+    if arch == "Qwen3MoeForCausalLM":
+        if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
+            raise ConfigError(
+                f"{arch} config mixes dense and MoE layers (decoder_sparse_step="
+                f"{shown(hf.get('decoder_sparse_step', 1))}, mlp_only_layers="
+                f"{shown(hf.get('mlp_only_layers'))}): mixed dense/MoE layers are not supported yet "
+                "(only decoder_sparse_step 1 and no mlp_only_layers)")
+        if hf.get("num_experts") is not None and hf.get("num_local_experts") is not None \
+                and hf["num_experts"] != hf["num_local_experts"]:
+            raise ConfigError(f"{arch} config: num_experts {hf['num_experts']} != num_local_experts "
+                              f"{hf['num_local_experts']}")
+    foreign = [f"{k}={shown(hf[k])}" for k in _FOREIGN_MOE_KEYS if hf.get(k)]
+    if foreign:
+        raise ConfigError(f"{arch} config uses features the Megatron builder does not reproduce: "
+                          f"{', '.join(foreign)} (shared experts and dense layers are not supported yet)")
+    experts, topk = _num_experts(hf, arch), hf.get("num_experts_per_tok")
+    if experts is None or topk is None:
+        count = "num_local_experts" if arch == "MixtralForCausalLM" else "num_experts"
+        raise ConfigError(f"{arch} config: no {count} or num_experts_per_tok (the experts and how "
+                          "many each token is routed to)")
+    if topk > experts:
+        raise ConfigError(f"{arch} config: num_experts_per_tok {topk} exceeds the {experts} experts")
+    if arch == "Qwen3MoeForCausalLM" and hf.get("moe_intermediate_size") is None:
+        raise ConfigError(f"{arch} config: no moe_intermediate_size (the experts' width)")
+
+
+def _num_experts(hf: dict, arch: str) -> int | None:
+    if arch == "MixtralForCausalLM":
+        return hf.get("num_local_experts")
+    return hf["num_experts"] if hf.get("num_experts") is not None else hf.get("num_local_experts")
 
 
 def model_config_from_hf(hf: dict, *, make_vocab_size_divisible_by: int = 128) -> tuple[ModelConfig, str]:
@@ -183,8 +242,23 @@ def model_config_from_hf(hf: dict, *, make_vocab_size_divisible_by: int = 128) -
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         make_vocab_size_divisible_by=make_vocab_size_divisible_by,
         init_method_std=0.02 if hf.get("initializer_range") is None else hf["initializer_range"],
+        **_moe_fields(hf, arch),
     )
     return cfg, arch
+
+
+def _moe_fields(hf: dict, arch: str) -> dict:
+    """The MoE fields of a checked config (none for a dense architecture): Qwen3-MoE's experts are
+    moe_intermediate_size wide and renormalise the top-k weights when norm_topk_prob is set
+    (transformers' default: not); Mixtral's are intermediate_size wide and always renormalise.
+    Mixtral's router_jitter_noise (a training-time input noise of transformers) is not
+    reproduced: the Megatron model routes without it."""
+    if arch not in MOE_ARCHITECTURES:
+        return {}
+    mixtral = arch == "MixtralForCausalLM"
+    return dict(num_experts=_num_experts(hf, arch), moe_router_topk=hf["num_experts_per_tok"],
+                moe_ffn_hidden_size=hf["intermediate_size"] if mixtral else hf["moe_intermediate_size"],
+                moe_norm_topk_prob=True if mixtral else bool(hf.get("norm_topk_prob", False)))
 
 
 def hf_config_from_model(cfg: ModelConfig, arch: str, *, base: dict | None = None,
@@ -209,9 +283,9 @@ def hf_config_from_model(cfg: ModelConfig, arch: str, *, base: dict | None = Non
         hidden_act="silu",
         initializer_range=cfg.init_method_std,
     )
-    if "head_dim" in out or cfg.kv_channels is not None:
+    if out.get("head_dim") is not None or cfg.kv_channels is not None:
         out["head_dim"] = cfg.kv_channels or cfg.hidden_size // heads
-    if model_type != "qwen2":
+    if model_type not in ("qwen2", "mixtral") or "attention_bias" in out:  # Mixtral has no such key
         out["attention_bias"] = False
     scaling = ({"rope_type": "llama3", "factor": cfg.rope_scaling_factor, **_MEGATRON_LLAMA3_ROPE}
                if cfg.rope_scaling_factor is not None else {"rope_type": "default"})
@@ -223,10 +297,51 @@ def hf_config_from_model(cfg: ModelConfig, arch: str, *, base: dict | None = Non
         out["rope_theta"] = cfg.rotary_base
         if cfg.rope_scaling_factor is not None:
             out["rope_scaling"] = scaling
+    if arch in MOE_ARCHITECTURES:
+        _write_moe_fields(out, cfg, arch)
     if dtype is not None:
         name = {v: k for k, v in _DTYPES.items()}[dtype]
         out["torch_dtype" if "torch_dtype" in out else "dtype"] = name
     return out
+
+
+def _write_moe_fields(out: dict, cfg: ModelConfig, arch: str) -> None:
+    if not cfg.is_moe or architecture_for(cfg) != arch:
+        raise ConfigError(f"the model config does not describe a {arch}: "
+                          f"{'a dense model' if not cfg.is_moe else _moe_text(cfg)}")
+    out["num_experts_per_tok"] = cfg.moe_router_topk
+    if arch == "MixtralForCausalLM":
+        out["num_local_experts"] = cfg.num_experts
+        out["sliding_window"] = None
+        return
+    # Qwen3-MoE: released configs say num_experts, transformers >= 5 writes num_local_experts.
+    for key in [k for k in ("num_experts", "num_local_experts") if k in out] or ["num_experts"]:
+        out[key] = cfg.num_experts
+    out.update(moe_intermediate_size=cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size,
+               norm_topk_prob=cfg.moe_norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[])
+
+
+def _moe_text(cfg: ModelConfig) -> str:
+    return (f"{cfg.num_experts} experts of width {cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size} "
+            f"(dense FFN {cfg.ffn_hidden_size}), q/k layernorm {cfg.qk_layernorm}, top-k "
+            f"renormalised {cfg.moe_norm_topk_prob}")
+
+
+def architecture_for(cfg: ModelConfig) -> str | None:
+    """The HF architecture that computes what ``cfg`` (e.g. a model built from flags) computes:
+    the one whose q/k/v bias, q/k layernorm and experts match; None if none does. A MoE model
+    is Qwen3-MoE with q/k layernorm; Mixtral without, its experts as wide as intermediate_size
+    and their top-k weights renormalised."""
+    for arch, (_, qkv_bias, qk_norm) in ARCHITECTURES.items():
+        if (qkv_bias, qk_norm) != (cfg.add_qkv_bias, cfg.qk_layernorm):
+            continue
+        if (arch in MOE_ARCHITECTURES) != cfg.is_moe:
+            continue
+        if arch == "MixtralForCausalLM" and not (
+                cfg.moe_norm_topk_prob and cfg.moe_ffn_hidden_size in (None, cfg.ffn_hidden_size)):
+            continue
+        return arch
+    return None
 
 
 def check_same_architecture(template: dict, cfg: ModelConfig, flag: str = "--hf-template") -> None:
@@ -251,4 +366,8 @@ def _normalized(cfg: ModelConfig) -> dict:
     out["num_query_groups"] = cfg.num_query_groups or cfg.num_attention_heads
     out["kv_channels"] = cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads
     out["rotary_base"] = float(cfg.rotary_base)
+    if cfg.is_moe:
+        out["moe_ffn_hidden_size"] = cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size
+    else:  # routing settings of a dense model compute nothing
+        out.update(moe_router_topk=None, moe_ffn_hidden_size=None, moe_norm_topk_prob=None)
     return out

@@ -23,6 +23,16 @@ The layouts (Megatron-Core 0.16, ``get_gpt_layer_*_spec``):
   ``make_vocab_size_divisible_by x TP`` on import; the padding is dropped on export.
 * tied embeddings: no ``lm_head`` is read or written; at PP>1 the last stage's copy
   (``output_layer.weight``) is imported from ``model.embed_tokens.weight`` and not exported.
+
+Mixture of experts (every layer; Qwen3-MoE and Mixtral names, :data:`MOE_NAMES`): the router
+``mlp.router.weight`` is replicated; expert ``e`` is ``mlp.experts.local_experts.{e}.linear_fc1``
+(``[gate_r; up_r]`` as the dense MLP) and ``linear_fc2`` (row-parallel), split over the
+*expert* tensor-parallel ranks. The table names experts by their global index; on expert-parallel
+rank ``r`` of ``EP`` local expert ``i`` is global expert ``r * experts / EP + i``
+(:func:`~emapg_megatron.checkpoint.weights.load_hf_weights` renames). HF folders hold one tensor
+per expert and projection (what ``save_pretrained`` writes); the fused 3-D tensors transformers
+>= 5 keeps in memory (``mlp.experts.gate_up_proj`` ``[E, 2F, H]``, ``mlp.experts.down_proj``
+``[E, H, F]``) are read too (:meth:`HFMapping.source`), and never written.
 """
 
 from __future__ import annotations
@@ -33,6 +43,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from emapg_megatron.checkpoint.hf_config import architecture_for
 from emapg_megatron.errors import ConfigError
 from emapg_megatron.models.config import ModelConfig
 
@@ -139,7 +150,8 @@ class GateUp:
 
 @dataclass(frozen=True)
 class Rule:
-    megatron: str  # TE-fused name (= Megatron's checkpoint key), {i} = global layer index
+    megatron: str  # TE-fused name (= Megatron's checkpoint key), {i} = global layer index,
+    # {e} = global expert index; HF names: {moe} the MoE block, {gate}/{up}/{down} the projections
     hf: tuple[str, ...]
     codec: str
     aliases: tuple[str, ...] = ()  # local-spec names of the same tensor
@@ -149,6 +161,27 @@ class Rule:
 
 _L, _H = "decoder.layers.{i}.", "model.layers.{i}."
 _EMBED = "model.embed_tokens.weight"
+_EXPERT = _H + "{moe}.experts.{e}."
+
+#: The HF names of a MoE layer: the block (its router is ``{moe}.gate.weight``) and each expert's
+#: gate / up / down projections. Qwen3-MoE's also name any MoE model no HF architecture computes.
+MOE_NAMES = {
+    "qwen3_moe": dict(moe="mlp", gate="gate_proj", up="up_proj", down="down_proj"),
+    "mixtral": dict(moe="block_sparse_moe", gate="w1", up="w3", down="w2"),
+}
+
+
+def moe_names(cfg: ModelConfig) -> dict:
+    """:data:`MOE_NAMES` of ``cfg``'s architecture: Mixtral's for a Mixtral, else Qwen3-MoE's."""
+    return MOE_NAMES["mixtral" if architecture_for(cfg) == "MixtralForCausalLM" else "qwen3_moe"]
+
+
+def _dense(c: ModelConfig) -> bool:
+    return not c.is_moe
+
+
+def _moe(c: ModelConfig) -> bool:
+    return c.is_moe
 
 # The mapping, in HF state-dict order. Megatron names are global (PP-stage independent).
 RULES: tuple[Rule, ...] = (
@@ -168,8 +201,13 @@ RULES: tuple[Rule, ...] = (
     Rule(_L + "mlp.linear_fc1.layer_norm_weight", (_H + "post_attention_layernorm.weight",),
          "replicated", aliases=(_L + "pre_mlp_layernorm.weight",)),
     Rule(_L + "mlp.linear_fc1.weight", (_H + "mlp.gate_proj.weight", _H + "mlp.up_proj.weight"),
-         "gate_up"),
-    Rule(_L + "mlp.linear_fc2.weight", (_H + "mlp.down_proj.weight",), "row"),
+         "gate_up", when=_dense),
+    Rule(_L + "mlp.linear_fc2.weight", (_H + "mlp.down_proj.weight",), "row", when=_dense),
+    Rule(_L + "mlp.router.weight", (_H + "{moe}.gate.weight",), "replicated", when=_moe),
+    Rule(_L + "mlp.experts.local_experts.{e}.linear_fc1.weight",
+         (_EXPERT + "{gate}.weight", _EXPERT + "{up}.weight"), "expert_gate_up", when=_moe),
+    Rule(_L + "mlp.experts.local_experts.{e}.linear_fc2.weight", (_EXPERT + "{down}.weight",), "row",
+         when=_moe),
     Rule("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated"),
     Rule("output_layer.weight", ("lm_head.weight",), "vocab",
          when=lambda c: not c.tie_word_embeddings),
@@ -177,6 +215,13 @@ RULES: tuple[Rule, ...] = (
     Rule("output_layer.weight", (_EMBED,), "vocab", when=lambda c: c.tie_word_embeddings,
          export=False),
 )
+
+#: Keys Megatron stores one tensor under in its two layer specs (stored key -> the other spec's):
+#: a MoE layer's pre-MLP norm is ``mlp.linear_fc1.layer_norm_weight`` in the local spec (as a dense
+#: layer's, fused into linear_fc1 under TE) but ``pre_mlp_layernorm.weight`` in Transformer
+#: Engine's, where nothing fuses it. A dense checkpoint stores the first under either spec.
+STORED_KEY_ALIASES = {
+    "decoder.layers.mlp.linear_fc1.layer_norm_weight": "decoder.layers.pre_mlp_layernorm.weight"}
 
 # HF tensors a checkpoint may carry that we do not need.
 _IGNORED_HF_SUFFIXES = (".rotary_emb.inv_freq",)
@@ -190,6 +235,7 @@ class Entry:
     hf_shapes: tuple[tuple[int, ...], ...]
     codec: object
     export: bool
+    expert: int | None = None  # the global expert index of an expert's weight
 
 
 @dataclass
@@ -204,15 +250,20 @@ class HFMapping:
         c = self.cfg
         groups = c.num_query_groups or c.num_attention_heads
         head_dim = c.kv_channels or c.hidden_size // c.num_attention_heads
+        moe_ffn = c.moe_ffn_hidden_size or c.ffn_hidden_size
         codecs = {
             "replicated": Replicated(),
             "row": RowParallel(),
             "vocab": VocabParallel(c.vocab_size),
             "qkv": FusedQKV(c.num_attention_heads, groups, head_dim),
             "gate_up": GateUp(c.ffn_hidden_size),
+            "expert_gate_up": GateUp(moe_ffn),
         }
-        h, f, v = c.hidden_size, c.ffn_hidden_size, c.vocab_size
+        h, v = c.hidden_size, c.vocab_size
+        f = moe_ffn if c.is_moe else c.ffn_hidden_size  # every MLP is the dense one or experts
         q, kv = c.num_attention_heads * head_dim, groups * head_dim
+        self.names = moe_names(c) if c.is_moe else MOE_NAMES["qwen3_moe"]
+        mlp = self.names
         shapes = {
             "embed_tokens.weight": (v, h), "lm_head.weight": (v, h), "norm.weight": (h,),
             "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
@@ -220,6 +271,8 @@ class HFMapping:
             "q_proj.bias": (q,), "k_proj.bias": (kv,), "v_proj.bias": (kv,),
             "q_norm.weight": (head_dim,), "k_norm.weight": (head_dim,), "o_proj.weight": (h, q),
             "gate_proj.weight": (f, h), "up_proj.weight": (f, h), "down_proj.weight": (h, f),
+            f"{mlp['gate']}.weight": (f, h), f"{mlp['up']}.weight": (f, h),
+            f"{mlp['down']}.weight": (h, f), "gate.weight": (c.num_experts, h),
         }
 
         def shape(name):
@@ -232,13 +285,15 @@ class HFMapping:
                     continue
                 if rule.when is not None and not rule.when(c):
                     continue
-                hf = tuple(n.format(i=layer) for n in rule.hf)
-                entry = Entry(rule.megatron.format(i=layer),
-                              tuple(a.format(i=layer) for a in rule.aliases), hf,
-                              tuple(shape(n) for n in hf), codecs[rule.codec], rule.export)
-                self.entries.append(entry)
-                for name in (entry.megatron, *entry.aliases):
-                    self._by_name[name] = entry
+                for expert in range(c.num_experts) if "{e}" in rule.megatron else [None]:
+                    names = dict(i=layer, e=expert, **mlp)
+                    hf = tuple(n.format(**names) for n in rule.hf)
+                    entry = Entry(rule.megatron.format(**names),
+                                  tuple(a.format(**names) for a in rule.aliases), hf,
+                                  tuple(shape(n) for n in hf), codecs[rule.codec], rule.export, expert)
+                    self.entries.append(entry)
+                    for name in (entry.megatron, *entry.aliases):
+                        self._by_name[name] = entry
         # The final norm / lm_head rows come after the layers in HF order.
         tail = ("decoder.final_layernorm.weight", "output_layer.weight")
         self.entries.sort(key=lambda e: e.megatron in tail)
@@ -260,9 +315,22 @@ class HFMapping:
                 shape = (None, *e.hf_shapes[0][1:])
             else:  # the fused tensors stack their HF parts' rows
                 shape = (sum(s[0] for s in e.hf_shapes), *e.hf_shapes[0][1:])
-            key, layered = re.subn(r"^decoder\.layers\.\d+\.", "decoder.layers.", e.megatron)
-            shapes[key] = (self.cfg.num_layers, *shape) if layered else shape
+            if e.expert is not None:  # the experts of a layer stacked on a second dimension
+                shape = (self.cfg.num_experts, *shape)
+            if e.megatron.startswith("decoder.layers."):
+                shape = (self.cfg.num_layers, *shape)
+            shapes[self.stored_key(e)] = shape
         return shapes
+
+    @staticmethod
+    def stored_key(entry: Entry) -> str:
+        """The key Megatron's ``sharded_state_dict`` stores ``entry`` under: a layer's tensors
+        without the layer index (stacked), an expert's without its index either
+        (``decoder.layers.mlp.experts.experts.linear_fc1.weight``)."""
+        key = re.sub(r"^decoder\.layers\.\d+\.", "decoder.layers.", entry.megatron)
+        if entry.expert is not None:
+            key = key.replace(f".local_experts.{entry.expert}.", ".experts.")
+        return key
 
     def expected_hf_shapes(self) -> dict[str, tuple[int, ...]]:
         return {n: s for e in self.entries for n, s in zip(e.hf, e.hf_shapes)}
@@ -283,6 +351,62 @@ class HFMapping:
                                          ("mismatched shapes", wrong)) if items]
         if problems:
             raise ConfigError("HF checkpoint does not match the model config: " + "; ".join(problems))
+
+    def source(self, read: Read, available: Mapping[str, Sequence[int]]
+               ) -> tuple[Read, dict[str, tuple[int, ...]]]:
+        """The HF tensors as this table names them, checked (:meth:`check_hf`): ``read`` and the
+        tensor shapes of an HF folder or state dict, with the fused experts of transformers >= 5
+        (``model.layers.{i}.mlp.experts.gate_up_proj`` ``[E, 2F, H]``, ``...down_proj``
+        ``[E, H, F]``, Mixtral's router ``mlp.gate.weight``) seen as one tensor per expert and
+        projection, each read as a slice of the fused one."""
+        shapes = {n: tuple(s) for n, s in available.items()}
+        virtual = self._fused_experts(shapes) if self.cfg.is_moe else {}
+        self.check_hf(shapes)
+        if not virtual:
+            return read, shapes
+
+        def fused_read(name, index):
+            if name not in virtual:
+                return read(name, index)
+            real, expert, offset = virtual[name]
+            if expert is None:
+                return read(real, index)
+            index = tuple(index or ())
+            rows = (index[0] if index else slice(None)).indices(shapes[name][0])
+            rest = index[1:] if len(index) > 1 else (slice(None),)
+            return read(real, (slice(expert, expert + 1), slice(offset + rows[0], offset + rows[1]),
+                               *rest))[0]
+
+        return fused_read, shapes
+
+    def _fused_experts(self, shapes: dict) -> dict[str, tuple[str, int | None, int]]:
+        """Replace the fused expert tensors in ``shapes`` by the per-expert names they hold;
+        returns ``{per-expert name: (fused name, expert, first row)}``."""
+        c, n = self.cfg, self.names
+        experts, ffn, h = c.num_experts, c.moe_ffn_hidden_size or c.ffn_hidden_size, c.hidden_size
+        virtual = {}
+        for i in range(c.num_layers):
+            fused = f"model.layers.{i}.mlp."
+            gate_up, down = fused + "experts.gate_up_proj", fused + "experts.down_proj"
+            for name, want in ((gate_up, (experts, 2 * ffn, h)), (down, (experts, h, ffn))):
+                if name in shapes and shapes[name] != want:
+                    raise ConfigError(f"HF checkpoint does not match the model config: mismatched shapes "
+                                      f"(1): {name}: {shapes[name]} != {want}")
+            per_expert = _EXPERT.format(i=i, e="{e}", **n) + "{proj}.weight"
+            parts = ((gate_up, ((n["gate"], 0, (ffn, h)), (n["up"], ffn, (ffn, h)))),
+                     (down, ((n["down"], 0, (h, ffn)),)))
+            for name, projections in parts:
+                if shapes.pop(name, None) is None:
+                    continue
+                for e in range(experts):
+                    for proj, offset, shape in projections:
+                        virtual[per_expert.format(e=e, proj=proj)] = (name, e, offset)
+                        shapes[per_expert.format(e=e, proj=proj)] = shape
+            router = _H.format(i=i) + f"{n['moe']}.gate.weight"
+            if router != fused + "gate.weight" and fused + "gate.weight" in shapes:
+                virtual[router] = (fused + "gate.weight", None, 0)
+                shapes[router] = shapes.pop(fused + "gate.weight")
+        return virtual
 
     def to_megatron(self, megatron_name: str, read: Read, tp_rank: int, tp: int,
                     local_shape: Sequence[int]) -> torch.Tensor:

@@ -50,6 +50,7 @@ def _verify_rank(ckpt_dir: str, tokens: torch.Tensor) -> dict:
     cfg = checkpoint_model_config(ckpt_dir)
     model = build_for_this_rank(cfg)
     load_mcore([model], ckpt_dir)
+    model.eval()  # Megatron's MoE layer refuses TP > 1 without sequence parallelism in training mode
     logits = megatron_logits([model], tokens)
     if logits is None or ps.get_tensor_model_parallel_rank() != 0:
         return {}
@@ -88,19 +89,21 @@ def check_tokens(batch: int, seq_len: int, cfg) -> None:
                           "needs a few tokens (the defaults are 2 x 32)")
 
 
-def verify(hf_dir: str | Path, ckpt_dir: str | Path, *, tp: int = 1, pp: int = 1, batch: int = 2,
-           seq_len: int = 32, seed: int = 0, device: str = "cpu", timeout: float = 1800.0) -> dict:
-    """Logit agreement between the HF model and the Megatron checkpoint loaded at TP x PP.
+def verify(hf_dir: str | Path, ckpt_dir: str | Path, *, tp: int = 1, pp: int = 1, ep: int = 1,
+           batch: int = 2, seq_len: int = 32, seed: int = 0, device: str = "cpu",
+           timeout: float = 1800.0) -> dict:
+    """Logit agreement between the HF model and the Megatron checkpoint loaded at TP x PP (x EP
+    for a mixture of experts: TP x PP x EP ranks, the EP ranks each running the same tokens).
     ``ckpt_dir``: a checkpoint, or a trainer's ``--save`` directory (its latest step)."""
     ckpt_dir = training_step_dir(ckpt_dir)
     cfg = checkpoint_model_config(ckpt_dir)
-    cfg.validate(tp, pp)
+    cfg.validate(tp, pp, ep)
     check_tokens(batch, seq_len, cfg)
     check_same_architecture(read_hf_config(hf_dir), cfg, "--hf-dir")
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, cfg.vocab_size, (batch, seq_len), generator=g)
-    results = run_distributed(_verify_rank, tp * pp, tp=tp, pp=pp, args=(str(ckpt_dir), tokens),
-                              device=device, timeout=timeout)
+    results = run_distributed(_verify_rank, tp * pp * ep, tp=tp, pp=pp, ep=ep,
+                              args=(str(ckpt_dir), tokens), device=device, timeout=timeout)
     ours = next(r["logits"] for r in results if r)
-    return {**compare_logits(ours, hf_logits(hf_dir, tokens)), "tp": tp, "pp": pp,
-            "tokens": batch * seq_len}
+    layout = {"tp": tp, "pp": pp, **({"ep": ep} if cfg.is_moe else {})}
+    return {**compare_logits(ours, hf_logits(hf_dir, tokens)), **layout, "tokens": batch * seq_len}

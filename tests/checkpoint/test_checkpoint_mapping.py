@@ -305,7 +305,7 @@ def test_cli_reports_one_line_and_exit_status_2(llama_dir, tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [(
         "error: unsupported architecture ['GPT2LMHeadModel']: supported are LlamaForCausalLM, "
-        "Qwen2ForCausalLM, Qwen3ForCausalLM")]
+        "Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM")]
     assert not (tmp_path / "out").exists()
 
 

@@ -278,6 +278,9 @@ def validate_architecture(cfg: RunConfig, model_cfg: ModelConfig) -> None:
     model_cfg.check_entries("the model")  # the bounds a config.json is held to, before any sizing
     model_cfg.validate(tp, pp, ep)
     if model_cfg.is_moe:
+        _check(tp == 1 or cfg.parallel.sequence_parallel,
+               f"Megatron's MoE layers train at --tensor-model-parallel-size {tp} only with "
+               "--sequence-parallel: add it (or use expert parallelism instead of TP)")
         _check(cfg.sampler.engine != "vllm", "--rollout-engine vllm does not sample mixture-of-experts "
                                              "policies yet (the weight sync has no expert mapping): use "
                                              "the built-in sampler")
@@ -302,7 +305,8 @@ def validate_architecture(cfg: RunConfig, model_cfg: ModelConfig) -> None:
     _check(k <= vocab, f"--kl-topk-tokens {cfg.kl.k} exceeds the vocabulary ({vocab}): use at most "
                        f"{vocab} (that many is the exact KL); the synthetic task's first run is --preset tiny-cpu")
     if cfg.precision.fp8_format is not None:
-        validate_fp8_shapes(model_cfg, tp, cfg.step.seq_length, cfg.parallel.sequence_parallel)
+        validate_fp8_shapes(model_cfg, tp, cfg.step.seq_length, cfg.parallel.sequence_parallel,
+                            etp=cfg.parallel.expert_tensor_size)
 
 
 def _check(ok: bool, message: str) -> None:

@@ -66,7 +66,7 @@ def test_cli_subprocess_exit_code():
     ([*EP_BATCH, "--expert-model-parallel-size", "2"], 2, "needs a mixture-of-experts model"),
     (["--num-experts", "4", "--expert-model-parallel-size", "4", "--tensor-model-parallel-size", "1"], 2,
      "expert TP=1 x EP=4 x PP=1 does not divide it"),
-    (["--num-experts", "4", "--moe-grouped-gemm", "--device", "cpu"], 2, "--moe-grouped-gemm runs on a GPU"),
+    ([*EP_BATCH, "--num-experts", "4", "--moe-grouped-gemm", "--device", "cpu"], 2, "--moe-grouped-gemm runs on a GPU"),
     (["--num-experts", "1000000000"], 2, "num_experts must be an integer from 1 to 4096"),
     (["--num-experts", "4", "--moe-ffn-hidden-size", "1000000000"], 2, "moe_ffn_hidden_size must be an integer"),
     (["--hidden-size", "100000000"], 2, "hidden_size must be an integer from 1 to 65536"),
@@ -76,6 +76,10 @@ def test_cli_subprocess_exit_code():
      "--sequence-packing is not supported at --expert-model-parallel-size 2"),
     (["--num-experts", "4", "--moe-token-dispatcher-type", "flex"], 2, "invalid choice: 'flex'"),
     (["--num-experts", "4", "--moe-aux-loss-coeff", "-1"], 2, "--moe-aux-loss-coeff must be >= 0"),
+    (["--num-experts", "4"], 2, "MoE layers train at --tensor-model-parallel-size 2 only with --sequence-parallel"),
+    (["--num-experts", "4", "--sequence-parallel", "--moe-routing-replay", "r2"], 2,
+     "--moe-routing-replay r2 does not support --sequence-parallel"),
+    (["--moe-routing-replay", "r2"], 2, "--moe-routing-replay r2 needs a mixture-of-experts model"),
     (["--vllm-weight-sync-bucket-mb", "0"], 2, "--vllm-weight-sync-bucket-mb must be > 0"),
     (["--kl-topk-tokens", "0"], 2, "--kl-loss-type topk-reverse needs --kl-topk-tokens >= 1"),
     (["--kl-loss-type", "topk-alpha"], 2, "--kl-loss-type topk-alpha needs --kl-alpha"),
@@ -271,7 +275,7 @@ def test_vllm_refuses_a_mixture_of_experts_policy():
     from emapg_megatron.errors import ConfigError
     from emapg_megatron.models.config import ModelConfig
 
-    cfg = parse_args(["--preset", "tiny-cpu", "--rollout-engine", "vllm"])
+    cfg = parse_args(["--preset", "tiny-cpu", "--rollout-engine", "vllm", "--tensor-model-parallel-size", "1"])
     validate_architecture(cfg, ModelConfig(vocab_size=13))
     with pytest.raises(ConfigError, match="--rollout-engine vllm does not sample mixture-of-experts"):
         validate_architecture(cfg, ModelConfig(vocab_size=13, num_experts=4))

@@ -326,7 +326,8 @@ class ModelOptions:
             "num_query_groups": self.num_query_groups or (1 if self.group_query_attention else None)})
 
 
-def validate_fp8_shapes(cfg: ModelConfig, tp: int, seq_length: int, sequence_parallel: bool = False) -> None:
+def validate_fp8_shapes(cfg: ModelConfig, tp: int, seq_length: int, sequence_parallel: bool = False,
+                        etp: int | None = None) -> None:
     """FP8 GEMMs need the token dimension a multiple of 8 and the weight dimensions of 16.
 
     A multiple of 8 in ``seq_length`` (per rank under sequence parallelism) leaves room for the
@@ -344,6 +345,8 @@ def validate_fp8_shapes(cfg: ModelConfig, tp: int, seq_length: int, sequence_par
             "query projection / TP": cfg.num_attention_heads * head_dim // tp,
             "key/value projection / TP": groups * head_dim // tp,
             "padded vocabulary / TP": cfg.padded_vocab_size(tp) // tp}
+    if cfg.is_moe:  # the experts' GEMMs, split over the expert TP ranks
+        dims["expert FFN size / expert TP"] = (cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size) // (etp or tp)
     for name, size in dims.items():
         if size % 16:
             raise ConfigError(f"FP8 needs every GEMM dimension to be a multiple of 16: the {name} is {size}")

@@ -2,7 +2,12 @@
 
 import torch
 
-from emapg_megatron.models.routing_replay import expert_load, layers_to_routes, route_dtype, routes_to_layers
+from emapg_megatron.models.routing_replay import (
+    expert_load,
+    layers_to_routes,
+    route_dtype,
+    routes_to_layers,
+)
 
 
 def test_routes_round_trip_between_the_router_order_and_per_sequence():

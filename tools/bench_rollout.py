@@ -294,16 +294,23 @@ def main(argv=None) -> None:
     [rows] = run_distributed(measure, 1, device=args.device, timeout=3600,
                              args=(args.model, lengths, args.batch, args.prompt, args.uncached_max))
     result = {"model": args.model, "device": args.device, "rows": rows, **summary(rows)}
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-    if args.json:
-        print(json.dumps(result))
+    if emit(result, args):
         return
     print(f"{'tokens':>7} {'cached tok/s':>13} {'uncached tok/s':>15}")
     for r in rows:
         print(f"{r['response_tokens']:>7} {r['cached_tokens_per_s']:>13} {str(r['uncached_tokens_per_s']):>15}")
     print(f"{result['check']}: ratio {result['cached_ratio']} ({'pass' if result['pass'] else 'FAIL'})")
+
+
+def emit(result: dict, args) -> bool:
+    """Write ``result`` to ``--out`` if given; print it as one JSON line under ``--json`` (True:
+    nothing else to print)."""
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    if args.json:
+        print(json.dumps(result))
+    return args.json
 
 
 def main_decoders(parser: argparse.ArgumentParser, args) -> None:
@@ -319,11 +326,7 @@ def main_decoders(parser: argparse.ArgumentParser, args) -> None:
     [result] = run_distributed(compare_decoders, 1, device=args.device, timeout=3600,
                                args=(args.model, args.batch, args.prompt, lengths[0], paths, batches,
                                      args.step_tokens, args.bf16, os.path.abspath(args.out) if args.out else None))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-    if args.json:
-        print(json.dumps(result))
+    if emit(result, args):
         return
     for r in result["rows"]:
         print(f"{r['path']:>9}: {r['tokens_per_s']:>10} tok/s ({r['generated_tokens']} tokens, {r['seconds']} s)")

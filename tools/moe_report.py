@@ -15,12 +15,9 @@ which is not built yet: it is reported as null, with the reason.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import sys
 
-from seed_report import WINDOW, distribution, figure, machine, mean, plot_band
+from seed_report import WINDOW, distribution, figure, machine, mean, plot_band, report_main
 
 from emapg_megatron.run.metrics import read_jsonl
 
@@ -72,13 +69,7 @@ def report(out: str, seeds: list[int]) -> dict:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("out", help="the demo's output folder (one seed-<S> folder per seed)")
-    p.add_argument("--seeds", type=int, nargs="+", required=True, help="the seeds run")
-    args = p.parse_args(argv)
-    result = report(args.out, args.seeds)
-    print(f"curves: {os.path.join(args.out, 'moe_seeds.png')}", file=sys.stderr)
-    print(json.dumps(result))
+    report_main(report, __doc__, "moe_seeds.png", argv)
 
 
 if __name__ == "__main__":

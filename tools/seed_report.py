@@ -122,14 +122,20 @@ def report(out: str, seeds: list[int]) -> dict:
             "machine": machine()}
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def report_main(report_fn, doc: str, png: str, argv=None) -> None:
+    """A demo report's command line: ``OUT --seeds S ...``; ``report_fn(out, seeds)``'s JSON as the
+    last line, after saying where its plot ``png`` (in OUT) is."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out", help="the demo's output folder (one seed-<S> folder per seed)")
     p.add_argument("--seeds", type=int, nargs="+", required=True, help="the seeds run")
     args = p.parse_args(argv)
-    result = report(args.out, args.seeds)
-    print(f"curves: {os.path.join(args.out, 'reward_seeds.png')}", file=sys.stderr)
+    result = report_fn(args.out, args.seeds)
+    print(f"curves: {os.path.join(args.out, png)}", file=sys.stderr)
     print(json.dumps(result))
+
+
+def main(argv=None) -> None:
+    report_main(report, __doc__, "reward_seeds.png", argv)
 
 
 if __name__ == "__main__":

@@ -125,7 +125,7 @@ def _synchronize() -> float:
 def _timed_generate(model, settings: dict, prompts, length: int) -> tuple[float, list, object]:
     """Seconds of one generate call after a short warm-up call, its responses and stats."""
     sampler = _sampler(model, len(prompts[0]) + length, len(prompts), max_requests=len(prompts), **settings)
-    sampler.generate(prompts, 1, 1.0, 1.0, 4)  # warm-up: allocations, lazy imports, kernels
+    sampler.generate(prompts, 1, 1.0, 1.0, min(4, length))  # warm-up: allocations, lazy imports, kernels
     start = _synchronize()
     batch = sampler.generate(prompts, 1, 1.0, 1.0, length)
     return _synchronize() - start, batch.responses, batch.stats

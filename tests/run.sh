@@ -8,8 +8,8 @@
 #             mcore (their modules reach megatron-core through their imports: tests/mcore_marker.py).
 #             PyPI's torch for 3.12 is the CUDA build: a 5.5 GB environment, unused CUDA libraries
 #             included.
-# The installs are idempotent (a second run installs nothing). The next suite's install runs in the
-# background while a suite's tests run. The suites then run side by side on the CI machine's two
+# The installs are idempotent (a second run installs nothing). By default mcore019 goes first; the
+# next suite's install runs in the background while a suite's tests run. The suites then run side by side on the CI machine's two
 # cores (much of a suite is one busy process): the first suite's output as it runs, the other's
 # when it ends; SUITES_PARALLEL=0 runs them one after the other. Each suite says how many tests
 # it selected and how long it took.
@@ -87,7 +87,9 @@ suite() {  # NAME SETTINGS... -- pytest arguments: run NAME's tests in its insta
   return "$status"
 }
 
-read -r -a suites <<< "${SUITES:-mcore016 mcore019}"
+# The longer suite first (the mcore-marked tests' own suite takes longer side by side): the next
+# suite's install then runs beside it and the shorter suite ends the run.
+read -r -a suites <<< "${SUITES:-mcore019 mcore016}"
 for name in "${suites[@]}"; do
   [[ "$name" == mcore016 || "$name" == mcore019 ]] || { say "unknown suite '$name' in SUITES (mcore016, mcore019)"; exit 2; }
 done

@@ -58,10 +58,6 @@ class _Experts:
         return cls(ep, ps.get_expert_model_parallel_rank(), ps.get_expert_tensor_parallel_world_size(),
                    ps.get_expert_tensor_parallel_rank(), cfg.num_experts // ep)
 
-    def global_name(self, name: str) -> str:
-        """``name`` with its local expert index made global (other names unchanged)."""
-        return _expert_renamed(name, lambda i: self.ep_rank * self.local + i)
-
     def slot_name(self, name: str) -> str:
         """A global expert's name as its local slot (the same on every EP rank)."""
         return _expert_renamed(name, lambda e: e - self.ep_rank * self.local)
@@ -72,13 +68,13 @@ def _expert_renamed(name: str, index) -> str:
     return name if m is None else f"{m[1]}{index(int(m[2]))}{m[3]}"
 
 
-def _named_params(model_chunks, experts: _Experts):
-    """``(global name, param)`` over all chunks (layer indices made PP-stage independent, local
-    expert indices made global)."""
+def _named_params(model_chunks):
+    """``(global name, param)`` over all chunks (``global_param_name``: layer indices made
+    PP-stage independent, local expert indices made global)."""
     for chunk in model_chunks:
         gpt = unwrap(chunk)
         for name, p in gpt.named_parameters():
-            yield experts.global_name(global_param_name(gpt, name)), p
+            yield global_param_name(gpt, name), p
 
 
 def _check_layout(name: str, codec, param) -> None:
@@ -89,7 +85,7 @@ def _check_layout(name: str, codec, param) -> None:
 
 
 def _mapped(model_chunks, mapping: HFMapping, experts: _Experts) -> list[tuple[str, torch.nn.Parameter]]:
-    params = list(_named_params(model_chunks, experts))
+    params = list(_named_params(model_chunks))
     unknown = [n for n, _ in params if mapping.lookup(n) is None]
     if unknown:
         raise ConfigError(f"Megatron parameters without an HF mapping ({len(unknown)}): {', '.join(unknown)}")

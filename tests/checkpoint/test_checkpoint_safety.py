@@ -94,7 +94,7 @@ def test_real_checkpoint_passes_and_records_its_layout(saved):
     assert type(checked.metadata).__name__ == "Metadata"
     assert checked.common["common"][checkpointing.LAYOUT_KEY] == {
         "world_size": 1, "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
-        "data_parallel_size": 1, "optimizer": "local"}
+        "data_parallel_size": 1, "expert_model_parallel_size": 1, "optimizer": "local"}
 
 
 @pytest.mark.parametrize("kind", PAYLOADS)

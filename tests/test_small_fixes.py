@@ -77,3 +77,26 @@ def test_a_resume_reads_no_initial_weights(monkeypatch):
     monkeypatch.setattr(build, "load_pretrained", refuse)
     cfg = parse_args(["--preset", "tiny-cpu", "--load-hf", "/m", "--load", "/ckpt"])
     build.load_initial_weights(None, None, cfg, None)  # returns at once
+
+
+def test_a_lone_process_does_not_take_the_default_port(monkeypatch):
+    """Two single-process runs on one machine (no torchrun, no MASTER_PORT) both took 29500 and
+    the second failed with EADDRINUSE (seen when the CI's two suites ran such tests at once): a
+    lone process now binds a free port; a launched one keeps torchrun's."""
+    import os
+
+    from emapg_megatron.runtime import distributed
+    from emapg_megatron.runtime.config import ParallelConfig
+
+    seen = []
+    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(distributed.dist, "init_process_group", lambda **kw: seen.append(os.environ["MASTER_PORT"]))
+    monkeypatch.setattr(distributed.parallel_state, "initialize_model_parallel", lambda **kw: None)
+    monkeypatch.setattr(distributed, "model_parallel_cuda_manual_seed", lambda seed: None)
+    monkeypatch.setattr(distributed.cpu_device, "install", lambda: None)  # no CPU mapping in pytest's process
+    for env in ({"WORLD_SIZE": "1"}, {"WORLD_SIZE": "1", "MASTER_PORT": "31234"}):
+        monkeypatch.delenv("MASTER_PORT", raising=False)
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        distributed.initialize(ParallelConfig(tensor_model_parallel_size=1, device="cpu"))
+    assert seen[0] != "29500" and int(seen[0]) > 0 and seen[1] == "31234"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing
 import os
+import socket
 
 import torch
 import torch.distributed as dist
@@ -45,6 +46,10 @@ def initialize(cfg: ParallelConfig, seed: int = 1234) -> None:
         torch.cuda.set_device(_env_int("LOCAL_RANK", 0))
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        if world_size == 1 and "MASTER_PORT" not in os.environ:
+            # a lone process has no peer to agree on a port with: two such runs on one machine
+            # must not both take 29500 (the second failed with EADDRINUSE)
+            os.environ["MASTER_PORT"] = str(_free_port())
         os.environ.setdefault("MASTER_PORT", "29500")
         dist.init_process_group(
             backend=backend,
@@ -55,6 +60,12 @@ def initialize(cfg: ParallelConfig, seed: int = 1234) -> None:
     parallel_state.initialize_model_parallel(**model_parallel_options(cfg))
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def collective_failure(exc: BaseException) -> str | None:

@@ -42,6 +42,10 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "mcore: the test module reaches megatron-core through its imports "
                                        "(set by tests/mcore_marker.py, not by hand); tests/run.sh runs only "
                                        "these on the second megatron-core release")
+    config.addinivalue_line("markers", "one_suite(name): a real launch that tests our own process handling "
+                                       "(signals, the launcher, locks, exit codes), which does not depend on "
+                                       "megatron-core's version: tests/run.sh runs it in suite `name` only "
+                                       "(the launches are a third of each suite's time); plain pytest runs it")
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m selects on it
@@ -55,7 +59,19 @@ def pytest_collection_modifyitems(config, items):
             verdicts[path] = reaches_megatron(path)
         if verdicts[path]:
             item.add_marker(pytest.mark.mcore)
+    _keep_this_suites_launches(config, items)
     _skip_gpu_tests(items)
+
+
+def _keep_this_suites_launches(config, items):
+    """Under tests/run.sh (EMAPG_SUITE names the suite), drop the tests marked for the other suite."""
+    suite = os.environ.get("EMAPG_SUITE")
+    if not suite:
+        return
+    other = [i for i in items if (m := i.get_closest_marker("one_suite")) and m.args[0] != suite]
+    if other:
+        config.hook.pytest_deselected(items=other)
+        items[:] = [i for i in items if i not in other]
 
 
 def pytest_collection_finish(session):

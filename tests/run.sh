@@ -13,6 +13,9 @@
 # cores (much of a suite is one busy process): the first suite's output as it runs, the other's
 # when it ends; SUITES_PARALLEL=0 runs them one after the other. Each suite says how many tests
 # it selected and how long it took.
+# The real launches that test our own process handling (signals, the launcher, locks: marked
+# one_suite(NAME)) do not depend on megatron-core's version and are a third of a suite's time: each
+# runs in the suite it names only (EMAPG_SUITE tells conftest.py which suite is running).
 # Arguments go to pytest in each suite: paths among them replace the default (`tests`, pytest.ini's
 # testpaths), options pass through (`bash tests/run.sh tests/kl -q`; a -m EXPR is joined with mcore
 # in the mcore019 suite). SUITES="mcore016" (or "mcore019") runs one. Both run even when the first
@@ -76,6 +79,7 @@ suite() {  # NAME SETTINGS... -- pytest arguments: run NAME's tests in its insta
   PATH="$(dirname "$(command -v "$py")"):$PATH"  # scripts the tests run find the same python3
   PYTHON=$py  # ... and tools/python.sh (every example script's interpreter) names it too
   export PATH PYTHON OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} CUDA_DEVICE_MAX_CONNECTIONS=1
+  export EMAPG_SUITE=$name  # the launch tests marked one_suite(other) are left to the other suite
   if [[ "$name" == mcore019 ]]; then
     mapfile -d '' args < <(only_mcore "$@")
     set -- "${args[@]}"

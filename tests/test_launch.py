@@ -16,6 +16,8 @@ from emapg_megatron import train
 from emapg_megatron.launch import split_argv
 from emapg_megatron.multiprocess import free_port
 
+pytestmark = pytest.mark.one_suite("mcore016")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, OMP_NUM_THREADS="1", CUDA_DEVICE_MAX_CONNECTIONS="1")
 

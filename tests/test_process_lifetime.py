@@ -21,6 +21,8 @@ import pytest
 
 from emapg_megatron.multiprocess import free_port
 
+pytestmark = pytest.mark.one_suite("mcore016")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WITHIN_S = 30  # after the kill, no process of the run may be alive longer
 

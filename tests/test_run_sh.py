@@ -7,6 +7,7 @@ import os
 import shutil
 import stat
 import subprocess
+import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = ("tests/run.sh", "tools/install_cpu.sh", "tools/python.sh", "setup.py", "pytest.ini")
@@ -17,7 +18,8 @@ case "$*" in
   *sys.executable*) echo "$0" ;;
   *'version("megatron-core")'*) echo "{mcore}" ;;
   *python_version*) echo "{python}" ;;
-  "-m pytest "*) printf '%s\\n' "$@" > "{log}.$$"; mv "{log}.$$" "{log}"; exit {pytest_exit} ;;
+  "-m pytest "*) echo "$EMAPG_SUITE" > "{log}.suite"
+                 printf '%s\\n' "$@" > "{log}.$$"; mv "{log}.$$" "{log}"; exit {pytest_exit} ;;
 esac
 exit 0
 """
@@ -77,3 +79,17 @@ def test_both_suites_run_side_by_side_or_in_turn_and_either_failing_fails_the_ru
         argv = _run_sh(tmp_path / parallel, "tests/kl", suites="mcore016 mcore019", failing_019=True, expect=1,
                        SUITES_PARALLEL=parallel)
         assert argv["mcore016"][-1] == "tests/kl" and argv["mcore019"][-3:] == ["tests/kl", "-m", "mcore"]
+
+
+def test_each_suite_names_itself_and_a_one_suite_launch_runs_only_in_its_suite(tmp_path):
+    _run_sh(tmp_path, "tests/kl", suites="mcore016 mcore019")
+    for name, log in (("mcore016", "argv016"), ("mcore019", "argv019")):
+        assert (tmp_path / f"{log}.suite").read_text().strip() == name
+    # conftest.py drops, under EMAPG_SUITE, the tests marked one_suite(another suite)
+    collected = {}
+    for suite in ("mcore016", "mcore019", ""):
+        r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                            "tests/test_stop_signals.py"], cwd=ROOT, capture_output=True, text=True,
+                           timeout=120, env={**os.environ, "EMAPG_SUITE": suite})
+        collected[suite] = sum("::" in line for line in r.stdout.splitlines())
+    assert collected["mcore016"] == 0 and collected["mcore019"] == collected[""] >= 3

@@ -13,7 +13,7 @@ import pytest
 
 from emapg_megatron.multiprocess import free_port
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.one_suite("mcore019")]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
 TRAIN = ["--preset", "tiny-cpu", "--train-iters", "400", "--save-interval", "2"]

@@ -11,7 +11,7 @@ from tiny_hf import SAMPLES, build_tiny_hf
 
 from emapg_megatron.multiprocess import free_port
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.one_suite("mcore019")]
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = {k: v for k, v in os.environ.items() if k not in ("DATA_DIR", "MODEL_DIR", "HF_MODEL", "EVAL_FILES",
                                                          "N_SAMPLES", "MAX_NEW_TOKENS", "DRY_RUN")}

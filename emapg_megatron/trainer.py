@@ -213,8 +213,9 @@ class Trainer:
         # grads finalized by Megatron's hook
         outs = forward_backward(self.model_chunks, mbs, loss, fused_lmhead=self.passes.head.fused)
         sums = {k: sum(float(o[k]) for o in outs) for k in LOSS_KEYS} if outs else dict.fromkeys(LOSS_KEYS, 0.0)
-        applied = step_if_finite(self.model_chunks, optimizer, self.state.scheduler, sums.values())
-        return {**sums, "applied": float(applied), "norm": norm, "microbatches": len(mbs)}
+        applied, grad_norm = step_if_finite(self.model_chunks, optimizer, self.state.scheduler, sums.values())
+        return {**sums, "applied": float(applied), "grad_norm": grad_norm, "norm": norm,
+                "microbatches": len(mbs)}
 
     def update(self, batch: dict) -> dict:
         """Lambda epochs over the PPO mini-batches; this rank's share of mini-batch m is every
@@ -225,6 +226,7 @@ class Trainer:
         which = (batch["seq_pos"] % n_local) // local_mini
         totals = dict.fromkeys(LOSS_KEYS, 0.0)
         applied = refused = forwards = 0
+        grad_norms = []
         for _ in range(self.cfg.ppo_epochs):
             for m in range(-(-n_local // local_mini)):
                 rows = torch.nonzero(which == m).flatten()
@@ -233,13 +235,16 @@ class Trainer:
                 applied += int(out["applied"])
                 refused += int(not out["applied"])
                 forwards += out["microbatches"]
+                if out["grad_norm"] is not None:
+                    grad_norms.append(out["grad_norm"])
                 for k in LOSS_KEYS:
                     totals[k] += out[k]
         self.state.skipped_steps += int(refused > 0)
         # "skipped": no update applied, so the step changed nothing; a step with some refused
         # updates shows them in "updates_refused" (its applied updates are health-checked).
         return {**totals, "skipped": float(applied == 0), "updates_applied": applied,
-                "updates_refused": refused, "router": self.router_losses(forwards)}
+                "updates_refused": refused, "router": self.router_losses(forwards),
+                "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else None}
 
     def router_losses(self, forwards: int) -> dict:
         """A MoE policy's router losses of this step's training forwards (none for a dense one)."""

@@ -122,18 +122,18 @@ def hf_models(tmp_path_factory):
 def trainer_steps():
     """``train_run_workers.train_steps`` on forked ranks, each distinct run once per session (the
     equivalence matrix and the fused-LM-head test take some of the same runs): ``run(nproc, argv,
-    steps, tp=1, pp=1, ep=1)`` -> each rank's result. Callers only read the results."""
+    steps, tp=1, pp=1, ep=1, export_hf=False)`` -> each rank's result. Callers only read the results."""
     from train_run_workers import train_steps
 
     from emapg_megatron.multiprocess import run_distributed
 
     done = {}
 
-    def run(nproc, argv, steps, tp=1, pp=1, ep=1, timeout=600):
-        key = (nproc, tp, pp, ep, tuple(argv), steps)
+    def run(nproc, argv, steps, tp=1, pp=1, ep=1, timeout=600, export_hf=False):
+        key = (nproc, tp, pp, ep, tuple(argv), steps, export_hf)
         if key not in done:
-            done[key] = run_distributed(train_steps, nproc, tp=tp, pp=pp, ep=ep, args=(list(argv), steps),
-                                        timeout=timeout)
+            done[key] = run_distributed(train_steps, nproc, tp=tp, pp=pp, ep=ep,
+                                        args=(list(argv), steps, export_hf), timeout=timeout)
         return done[key]
 
     return run

@@ -76,6 +76,8 @@ def step_metrics(rec: StepRecord, *, n: int, task_reward: bool, anchor_metrics: 
         "dp_token_imbalance": rec.dp_token_imbalance,
         "skipped": rec.update["skipped"],
         "updates_refused": rec.update["updates_refused"],
+        # the mean over the step's applied updates of the gradient norm before clipping (Megatron's)
+        **({"grad_norm": rec.update["grad_norm"]} if rec.update.get("grad_norm") is not None else {}),
         **_episode_metrics(g, rollout.counts, rewards.numel()),
         **rollout.metrics,
     }

@@ -31,17 +31,19 @@ def local_grads_finite(model_chunks) -> bool:
     return math.isfinite(_max_abs(grads))
 
 
-def step_if_finite(model_chunks, optimizer, scheduler, loss_values) -> bool:
+def step_if_finite(model_chunks, optimizer, scheduler, loss_values) -> tuple[bool, float | None]:
     """Clip and step when every gradient on every rank and every loss value is finite.
 
-    Returns whether the update was applied; a refused update changes no weight and no state.
+    Returns whether the update was applied (a refused update changes no weight and no state) and
+    the gradient norm Megatron's optimizer computed for it (over every model-parallel group, experts
+    included; None when it computed none: an fp32/fp16 optimizer without --clip-grad).
     """
     ok = local_grads_finite(model_chunks) and all(math.isfinite(v) for v in loss_values)
     if not all_true(ok):
-        return False
-    optimizer.step()
+        return False, None
+    _, grad_norm, _ = optimizer.step()
     scheduler.step(increment=1)
-    return True
+    return True, (float(grad_norm) if grad_norm is not None else None)
 
 
 def largest_weight(model_chunks) -> float:

@@ -111,6 +111,7 @@ def test_a_refused_update_changes_no_weight():
     for out in run_distributed(refused_update_changes_nothing, 2):  # the NaN is on rank 0 only
         assert out["refused"] and out["unchanged"] and out["adam_untouched"]
         assert out["applied"] and out["moved"] and out["scheduler_steps"] == 1
+        assert out["grad_norm"] == pytest.approx(out["expected_grad_norm"], rel=1e-5)  # every grad 1e-3
 
 
 def test_exploding_weights_stop_the_run_before_the_ema_and_any_checkpoint(tmp_path):

@@ -3,12 +3,14 @@
 import torch
 
 
-def train_steps(argv: list, steps: int):
+def train_steps(argv: list, steps: int, export_hf: bool = False):
     """Build the run as ``emapg_megatron.train`` does and take ``steps`` trainer steps.
 
     Returns the per-step metrics and this rank's parameters keyed by what they are: the global
     name, plus the TP rank for TP-split weights. Replicated weights (norms, biases of row-parallel
     layers, every weight across DP, the tied embedding on the first and last stage) share a key.
+    With ``export_hf``, also ``hf``: the whole model as the HF export streams it (every shard
+    gathered: comparable across layouts), on global rank 0 only.
     """
     from megatron.core import parallel_state as ps
 
@@ -27,7 +29,14 @@ def train_steps(argv: list, steps: int):
             name = "embedding.word_embeddings.weight"  # the last stage's copy of the tied embedding
         split = getattr(p, "tensor_model_parallel", False)
         params[f"{global_param_name(gpt, name)}|tp{tp_rank if split else '*'}"] = p.detach().float().clone()
-    return {"metrics": metrics, "params": params}
+    out = {"metrics": metrics, "params": params}
+    if export_hf:
+        from emapg_megatron.checkpoint.weights import export_hf_weights
+
+        hf = {n: t.float().clone() for n, t in export_hf_weights(trainer.model_chunks, model_cfg)}
+        if torch.distributed.get_rank() == 0:
+            out["hf"] = hf
+    return out
 
 
 def train_each_loss_type(base_argv: list, loss_types: list, steps: int):
@@ -69,15 +78,16 @@ def refused_update_changes_nothing():
     sched, before = Steps(), state()
     if torch.distributed.get_rank() == 0:
         next(iter(chunks[0].parameters())).main_grad[0] = math.nan
-    refused = not step_if_finite(chunks, opt, sched, [0.0])
+    refused = not step_if_finite(chunks, opt, sched, [0.0])[0]
     unchanged = all(torch.equal(a, b) for a, b in zip(before, state()))
     adam_untouched = len(getattr(opt, "optimizer", opt).state) == 0  # torch Adam creates state lazily
     for p in chunks[0].parameters():
         p.main_grad.fill_(1e-3)
-    applied = step_if_finite(chunks, opt, sched, [0.0])
+    applied, grad_norm = step_if_finite(chunks, opt, sched, [0.0])
     moved = not all(torch.equal(a, b) for a, b in zip(before, state()))
-    return {"refused": refused, "unchanged": unchanged, "adam_untouched": adam_untouched,
-            "applied": applied, "moved": moved, "scheduler_steps": sched.count}
+    numel = sum(p.numel() for p in chunks[0].parameters())
+    return {"refused": refused, "expected_grad_norm": 1e-3 * math.sqrt(numel), "unchanged": unchanged, "adam_untouched": adam_untouched,
+            "applied": applied, "grad_norm": grad_norm, "moved": moved, "scheduler_steps": sched.count}
 
 
 def train_with_skewed_engine(argv: list) -> dict:

@@ -1,0 +1,91 @@
+"""Mixture-of-experts layouts beyond EP=2 on two ranks: every one trains like one rank.
+
+The tiny Qwen3-MoE (qk-layernorm, renormalised top-k) and Mixtral (Llama attention) models of
+``moe_checkpoint_workers`` (4 experts, top-2, every layer MoE) are loaded through the HF converter
+(``--load-hf``), so every layout starts from the same weights, and train three trainer steps (two
+optimizer updates each) on four ranks: EP=2 x TP=2 with sequence parallelism (experts split by TP
+too, or whole with --expert-tensor-parallel-size 1), EP=2 x PP=2, and EP=2 x DP=2 (four data
+ranks, experts split over two of them: expert-data-parallel 2) with the distributed optimizer.
+The metrics, the gradient norm included (Megatron's, over every model-parallel and expert group),
+match the one-rank run (rel <= 1e-4), and so does every weight afterwards (the HF export stream
+gathers each layout's shards into whole tensors). EP=2 x TP=2 without sequence parallelism does
+not exist: megatron-core refuses expert and tensor parallelism without it (docs/moe.md).
+"""
+
+import pytest
+import torch
+from trainer_launch import COMPARED as DENSE_COMPARED
+
+pytestmark = pytest.mark.slow
+
+COMPARED = (*DENSE_COMPARED, "grad_norm", "moe_load_max_over_mean")
+STEPS = 3
+BASE = ["--preset", "tiny-cpu", "--tensor-model-parallel-size", "1", "--rollout-batch-size", "4",
+        "--num-samples-per-prompt", "4", "--micro-batch-size", "4", "--global-batch-size", "8",
+        "--ema-update-period", "1", "--ema-eta", "0.5", "--max-new-tokens", "4", "--lr", "0.002",
+        "--kl-coef", "0.05", "--make-vocab-size-divisible-by", "8"]
+# four data ranks hold whole prompt groups of two samples; two updates per step as above
+DP4_BATCHES = ["--rollout-batch-size", "8", "--num-samples-per-prompt", "2", "--micro-batch-size", "2"]
+SP = ["--sequence-parallel"]
+LAYOUTS = {  # nproc, TP, PP, EP, flags
+    "ep2xtp2-sp": (4, 2, 1, 2, SP),
+    "ep2xtp2-sp-etp1": (4, 2, 1, 2, [*SP, "--expert-tensor-parallel-size", "1"]),
+    "ep2xpp2": (4, 1, 2, 2, []),
+    "ep2xdp2-distopt": (4, 1, 1, 2, [*DP4_BATCHES, "--use-distributed-optimizer"]),
+}
+# four processes per case on the two-core CI machine: the experts split by TP on Qwen3-MoE and
+# whole on Mixtral, PP on both, expert-data-parallel on Qwen3-MoE
+CASES = [("qwen3_moe", "ep2xtp2-sp"), ("qwen3_moe", "ep2xpp2"), ("qwen3_moe", "ep2xdp2-distopt"),
+         ("mixtral", "ep2xtp2-sp-etp1"), ("mixtral", "ep2xpp2")]
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    """The two architectures with the copy task's vocabulary (13 tokens, 16 with padding): a
+    random policy then earns rewards, so the steps have gradients to compare."""
+    from moe_checkpoint_workers import MODELS, build_hf_model
+
+    root = tmp_path_factory.mktemp("moe_hf")
+    dirs = {}
+    for seed, arch in enumerate(("qwen3_moe", "mixtral")):
+        family, overrides, _ = MODELS[arch]
+        build_hf_model(family, {**overrides, "vocab_size": 16}, seed).save_pretrained(root / arch)
+        dirs[arch] = str(root / arch)
+    return dirs
+
+
+def _argv(hf_dir: str, layout: str, one_rank: bool = False) -> list:
+    _, tp, pp, ep, flags = LAYOUTS[layout]
+    batches = DP4_BATCHES if layout.startswith("ep2xdp2") else []
+    if one_rank:
+        return [*BASE, "--load-hf", hf_dir, *batches]
+    return [*BASE, "--load-hf", hf_dir, "--tensor-model-parallel-size", str(tp),
+            "--pipeline-model-parallel-size", str(pp), "--expert-model-parallel-size", str(ep), *flags]
+
+
+@pytest.mark.parametrize("arch, layout", CASES, ids=[f"{a}-{lay}" for a, lay in CASES])
+def test_moe_layout_trains_like_one_rank(arch, layout, hf_dirs, trainer_steps):
+    nproc, tp, pp, ep, flags = LAYOUTS[layout]
+    routes_recorded = pp == 1 and "--sequence-parallel" not in flags  # per padded sequence only
+    (ref,) = trainer_steps(1, _argv(hf_dirs[arch], layout, one_rank=True), STEPS, export_hf=True)
+    outs = trainer_steps(nproc, _argv(hf_dirs[arch], layout), STEPS, tp=tp, pp=pp, ep=ep, export_hf=True)
+    for rank, out in enumerate(outs):
+        for step, (m, r) in enumerate(zip(out["metrics"], ref["metrics"], strict=True), start=1):
+            assert m["reward_mean"] == r["reward_mean"], (rank, step)  # identical samples
+            for k in COMPARED:
+                if k == "moe_load_max_over_mean" and not routes_recorded:
+                    assert k not in m  # the expert load comes from recorded routes (docs/moe.md)
+                    continue
+                assert m[k] == pytest.approx(r[k], rel=1e-4, abs=1e-7), (k, rank, step)
+    last = ref["metrics"][-1]
+    assert last["ema_lag"] > 0 and last["kl"] != 0 and last["grad_norm"] > 0  # the policy really moved
+    got, want = outs[0]["hf"], ref["hf"]
+    assert sorted(got) == sorted(want)
+    routers = [n for n in want if n.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight"))]
+    experts = [n for n in want if ".experts." in n]
+    assert routers and experts
+    # Adam divides each gradient entry by its own running RMS: on entries whose gradient is nearly
+    # zero, the float-order noise of split reductions moves the weight by a share of the learning
+    # rate (0.002). Measured: 4e-8 at EP x PP, 1.2e-5 at EP x TP x SP; allowed: 2.5% of one step.
+    for name, w in want.items():
+        torch.testing.assert_close(got[name], w, rtol=1e-4, atol=5e-5, msg=name)

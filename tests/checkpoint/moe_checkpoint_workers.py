@@ -127,7 +127,8 @@ def parallel_job(hf_dirs: dict, root: str, save: str | None) -> dict:
     from emapg_megatron.checkpoint import convert, weights
 
     root = Path(root)
-    out = {"ep_rank": ps.get_expert_model_parallel_rank(), "local_experts": {}}
+    out = {"ep_rank": ps.get_expert_model_parallel_rank(), "tp_rank": ps.get_tensor_model_parallel_rank(),
+           "local_experts": {}}
     for name in MODELS:
         ckpt = root / "mcore" / name
         cfg = convert.checkpoint_model_config(ckpt)
@@ -150,10 +151,10 @@ LOCAL_NORM_KEY = "decoder.layers.mlp.linear_fc1.layer_norm_weight"
 TE_NORM_KEY = "decoder.layers.pre_mlp_layernorm.weight"  # a MoE layer's, in TE's spec
 
 
-def export_job(hf_dirs: dict, root: str, saved: str) -> dict:
+def export_job(hf_dirs: dict, root: str, saved: str, te_keys: bool = True) -> dict:
     """One rank: mcore-to-hf of the checkpoints another layout saved (resharded to TP=EP=1), and
-    of the converted ``qwen3_moe`` saved again with the key Transformer Engine's spec stores a MoE
-    layer's pre-MLP norm under."""
+    (``te_keys``) of the converted ``qwen3_moe`` saved again with the key Transformer Engine's
+    spec stores a MoE layer's pre-MLP norm under."""
     import json
 
     from megatron.core import dist_checkpointing
@@ -166,6 +167,8 @@ def export_job(hf_dirs: dict, root: str, saved: str) -> dict:
     out = {name: cli.main(["mcore-to-hf", "--load", str(root / saved / name), "--out",
                            str(root / (saved + "_hf") / name), "--no-progress"])
            for name in MODELS}
+    if not te_keys:
+        return out
     ckpt, te = root / "mcore" / "qwen3_moe", root / "te_keys"
     model = build_for_this_rank(convert.checkpoint_model_config(ckpt))
     convert.load_mcore([model], ckpt)

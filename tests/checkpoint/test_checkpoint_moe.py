@@ -1,6 +1,7 @@
 """HF <-> Megatron-Core conversion of mixtures of experts (Qwen3-MoE, Mixtral) on tiny random
-models: bit-exact round trips, logits against transformers at TP=1, TP=2 (expert TP 2) and
-PP=2 x EP=2, the export stream with every expert on every rank, and the refused configs.
+models: bit-exact round trips (also through saves at TP=2 x EP=2 and PP=2 x EP=2), logits against
+transformers at TP=1, TP=2 x EP=2 (expert TP 2) and PP=2 x EP=2, the export stream with every
+expert on every rank, and the refused configs.
 
 Reference: ``transformers`` in fp32 in this process. Megatron runs on forked gloo ranks.
 """
@@ -60,8 +61,8 @@ def converted(hf_dirs, root):
 
 
 @pytest.fixture(scope="module")
-def tp2(converted, hf_dirs, root):  # expert TP = TP = 2
-    return run_distributed(parallel_job, 2, tp=2, args=(hf_dirs, str(root), None))
+def tp2_ep2(converted, hf_dirs, root):  # expert TP = TP = 2, four ranks
+    return run_distributed(parallel_job, 4, tp=2, ep=2, args=(hf_dirs, str(root), "tp2_ep2"))
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +73,12 @@ def pp2_ep2(converted, hf_dirs, root):
 @pytest.fixture(scope="module")
 def exported_from_pp2_ep2(pp2_ep2, hf_dirs, root):
     (out,) = run_distributed(export_job, 1, args=(hf_dirs, str(root), "pp2_ep2"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def exported_from_tp2_ep2(tp2_ep2, hf_dirs, root):
+    (out,) = run_distributed(export_job, 1, args=(hf_dirs, str(root), "tp2_ep2", False))
     return out
 
 
@@ -116,16 +123,21 @@ def test_checkpoint_keys_are_the_table_keys(converted):
     assert converted["key_mismatches"] == {name: [] for name in MODELS}
 
 
-# --- TP=2 (expert TP 2) and PP=2 x EP=2 --------------------------------------------------------
+# --- TP=2 x EP=2 (expert TP 2) and PP=2 x EP=2 -----------------------------------------------
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(MODELS))
-def test_logits_at_tp2(tp2, ref_logits, name):
-    first, second = (r[name] for r in tp2)
-    assert second["logits_mcore"] is None  # gathered on TP rank 0 only
-    assert _max_diff(first["logits_mcore"], ref_logits[name]) <= ATOL
-    assert _max_diff(first["logits_hf"], ref_logits[name]) <= ATOL
+def test_logits_at_tp2_ep2(tp2_ep2, ref_logits, name):
+    # TP is the inner dimension: ranks 0, 1 are EP rank 0's TP pair, ranks 2, 3 EP rank 1's
+    assert [(r["tp_rank"], r["ep_rank"]) for r in tp2_ep2] == [(0, 0), (1, 0), (0, 1), (1, 1)]
+    assert all(r["local_experts"][name] == 2 for r in tp2_ep2)
+    for rank in tp2_ep2:
+        if rank["tp_rank"]:
+            assert rank[name]["logits_mcore"] is None  # gathered on TP rank 0 only
+            continue
+        assert _max_diff(rank[name]["logits_mcore"], ref_logits[name]) <= ATOL
+        assert _max_diff(rank[name]["logits_hf"], ref_logits[name]) <= ATOL
 
 
 @pytest.mark.slow
@@ -141,7 +153,7 @@ def test_logits_at_pp2_ep2(pp2_ep2, ref_logits, name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["tp2", "pp2_ep2"])
+@pytest.mark.parametrize("layout", ["tp2_ep2", "pp2_ep2"])
 def test_export_stream_holds_every_expert_on_every_rank(request, hf_dirs, layout):
     ranks = request.getfixturevalue(layout)
     for name in MODELS:
@@ -157,10 +169,13 @@ def test_export_stream_holds_every_expert_on_every_rank(request, hf_dirs, layout
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("layout", ["tp2_ep2", "pp2_ep2"])
 @pytest.mark.parametrize("name", list(MODELS))
-def test_saved_at_pp2_ep2_exports_bit_identical(exported_from_pp2_ep2, hf_dirs, root, name):
-    assert exported_from_pp2_ep2[name] == 0
-    out = root / "pp2_ep2_hf" / name
+def test_saved_at_ep2_exports_bit_identical(request, hf_dirs, root, name, layout):
+    """HF -> Megatron at TP=2 x EP=2 or PP=2 x EP=2 (each rank loading its slices) -> saved ->
+    exported at TP = EP = 1: the HF folder bit for bit."""
+    assert request.getfixturevalue(f"exported_from_{layout}")[name] == 0
+    out = root / f"{layout}_hf" / name
     _assert_same_tensors(hf_state_dict(out), hf_state_dict(reference_dir(hf_dirs, name)))
     # No template: config.json from the one the conversion stored.
     ref = json.loads((Path(reference_dir(hf_dirs, name)) / "config.json").read_text())

@@ -141,7 +141,8 @@ def teacher_architecture(cfg: RunConfig, model_cfg: ModelConfig, tokenizer) -> M
         return None
     parallel = cfg.parallel
     teacher_cfg = teacher_model_config(cfg.teacher, model_cfg, tp=parallel.tensor_model_parallel_size,
-                                       pp=parallel.pipeline_model_parallel_size, seq_length=cfg.step.seq_length)
+                                       pp=parallel.pipeline_model_parallel_size,
+                                       ep=parallel.expert_model_parallel_size, seq_length=cfg.step.seq_length)
     check_same_tokenizer(cfg.teacher, tokenizer)
     return teacher_cfg
 

@@ -38,9 +38,11 @@ from emapg_megatron.training.optimizer_step import check_loaded_weights
 
 
 def teacher_model_config(teacher: TeacherConfig, student: ModelConfig, *, tp: int, pp: int,
-                         seq_length: int) -> ModelConfig:
+                         seq_length: int, ep: int = 1) -> ModelConfig:
     """The teacher's architecture (its config.json, or the model config its checkpoint stores),
-    checked against the student's vocabulary and the run's layout; padded like the student's."""
+    checked against the student's vocabulary and the run's layout; padded like the student's.
+    A MoE teacher's experts are split by the run's EP like the student's; a dense teacher has none
+    to split (the expert-parallel ranks are data-parallel ranks for it)."""
     where = f"{teacher.flag} {teacher.path}"
     if teacher.load_hf:
         cfg, _ = model_config_from_hf(read_hf_config(teacher.load_hf))
@@ -52,7 +54,7 @@ def teacher_model_config(teacher: TeacherConfig, student: ModelConfig, *, tp: in
         raise ConfigError(f"{where}: the teacher's position table ({cfg.max_position_embeddings}) is "
                           f"shorter than --seq-length {seq_length}")
     try:
-        cfg.validate(tp, pp)
+        cfg.validate(tp, pp, ep if cfg.is_moe else 1)
     except ConfigError as e:
         raise ConfigError(f"{where}: the teacher cannot be split like the student: {e}") from None
     return replace(cfg, make_vocab_size_divisible_by=student.make_vocab_size_divisible_by)

@@ -248,8 +248,9 @@ def build_for_this_rank(cfg: ModelConfig, prec: PrecisionConfig | None = None, *
         device_type=runtime.hardware(),
         sequence_parallel=sequence_parallel,
         moe=moe,
-        ep=ps.get_expert_model_parallel_world_size(),
-        etp=ps.get_expert_tensor_parallel_world_size(),
+        # a dense model in a MoE run (a teacher) has no experts to split
+        ep=ps.get_expert_model_parallel_world_size() if cfg.is_moe else 1,
+        etp=ps.get_expert_tensor_parallel_world_size() if cfg.is_moe else None,
     )
     return model.cuda(torch.cuda.current_device())
 

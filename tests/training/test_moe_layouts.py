@@ -89,3 +89,43 @@ def test_moe_layout_trains_like_one_rank(arch, layout, hf_dirs, trainer_steps):
     # rate (0.002). Measured: 4e-8 at EP x PP, 1.2e-5 at EP x TP x SP; allowed: 2.5% of one step.
     for name, w in want.items():
         torch.testing.assert_close(got[name], w, rtol=1e-4, atol=5e-5, msg=name)
+
+
+# --- distillation: a MoE teacher, and a dense teacher for a MoE student -----------------------
+TEACHERS = {"moe-teacher": "mixtral", "dense-teacher": "qwen3-tied-qknorm"}
+
+
+@pytest.mark.parametrize("teacher", list(TEACHERS))
+def test_moe_distillation_at_ep2_matches_one_rank(teacher, hf_dirs, hf_models, trainer_steps):
+    """The Qwen3-MoE student distilled from the Mixtral teacher (its experts split by EP like the
+    student's) or from a dense Qwen3 (conftest.py's hf_models) at EP=2 on two ranks: the one-rank
+    metrics, the KL to the teacher included."""
+    from test_distillation import without_ema
+
+    source = {**hf_dirs, **hf_models}[TEACHERS[teacher]]
+    argv = [*without_ema(_argv(hf_dirs["qwen3_moe"], "ep2xpp2", one_rank=True)), "--teacher-load-hf", source,
+            "--kl-coef", "0.5"]
+    (ref,) = trainer_steps(1, argv, STEPS)
+    outs = trainer_steps(2, [*argv, "--expert-model-parallel-size", "2"], STEPS, ep=2)
+    assert ref["metrics"][0]["kl"] != 0 and "ema_lag" not in ref["metrics"][0]  # the teacher is the anchor
+    for rank, out in enumerate(outs):
+        for step, (m, r) in enumerate(zip(out["metrics"], ref["metrics"], strict=True), start=1):
+            assert m["reward_mean"] == r["reward_mean"], (rank, step)
+            for k in ("kl", "pg_loss", "entropy", "grad_norm", "moe_load_max_over_mean"):
+                assert m[k] == pytest.approx(r[k], rel=1e-4, abs=1e-7), (k, rank, step)
+
+
+def test_a_moe_teacher_the_expert_layout_cannot_split_is_refused_in_one_line(hf_dirs):
+    """Checked before any process group (build.teacher_architecture), as the student's layout is;
+    a dense teacher has no experts, so any EP suits it."""
+    from emapg_megatron.anchor.config import TeacherConfig
+    from emapg_megatron.anchor.teacher import teacher_model_config
+    from emapg_megatron.checkpoint.hf_config import model_config_from_hf, read_hf_config
+    from emapg_megatron.errors import ConfigError
+
+    student, _ = model_config_from_hf(read_hf_config(hf_dirs["qwen3_moe"]))
+    teacher = TeacherConfig(load_hf=hf_dirs["mixtral"])
+    assert teacher_model_config(teacher, student, tp=1, pp=1, ep=2, seq_length=8).num_experts == 4
+    with pytest.raises(ConfigError, match=r"teacher cannot be split like the student: "
+                                          r"--expert-model-parallel-size 8 does not divide the 4 experts"):
+        teacher_model_config(teacher, student, tp=1, pp=1, ep=8, seq_length=8)

@@ -7,7 +7,7 @@ One 2-rank job runs everything. First each rank runs the one-rank layout (the on
 base model's logits, the LoRA model's at B = 0, then with seeded random B the logits and adapter
 gradients, then merged and unmerged. Then the parallel state is rebuilt at TP = 2 and the same
 weights (the one-rank model's, through the HF mapping) and adapters run without and with sequence
-parallelism. A MoE model and a too-large rank give their refusal lines.
+parallelism, and once with dropout. A MoE model and a too-large rank give their refusal lines.
 """
 
 from __future__ import annotations
@@ -159,6 +159,21 @@ def tensor_parallel_run(cfg, hf: dict, full: dict, sequence_parallel: bool) -> d
     return out
 
 
+def dropout_run(cfg, hf: dict, full: dict) -> dict:
+    """At the current TP with dropout: this rank's adapter gradients (every replicated one must
+    be the same on every TP rank: the same dropout mask on an input all of them hold)."""
+    from emapg_megatron.checkpoint.weights import load_hf_weights
+    from emapg_megatron.lora.apply import apply_lora, set_adapter_weights
+
+    model = build(cfg)
+    load_hf_weights([model], cfg, hf)
+    apply_lora(model, lora_config(dropout=0.5), seed=SEED)
+    set_adapter_weights(model, full)
+    forward(model, cfg.vocab_size, backward=True)
+    grads, shardings, _ = adapter_grads(model)
+    return {"grads": grads, "shardings": shardings}
+
+
 def relayout(tp: int) -> None:
     """Rebuild Megatron's parallel state at TP = ``tp`` on the same ranks, seeded again."""
     from megatron.core import parallel_state as ps
@@ -195,4 +210,6 @@ def lora_job() -> dict:
     for arch, (cfg, hf, full) in inputs.items():
         for sp in (False, True):
             out[arch][f"tp2{'-sp' if sp else ''}"] = tensor_parallel_run(cfg, hf, full, sp)
+    cfg, hf, full = inputs["qwen2.5"]
+    out["dropout"] = dropout_run(cfg, hf, full)
     return out

@@ -73,6 +73,19 @@ def test_tensor_parallel_matches_one_rank(ranks, arch, layout):
 
 
 @pytest.mark.slow
+def test_dropout_keeps_replicated_matrices_replicated(ranks):
+    """With dropout, TP rank r's column-side A and row-side B get the same gradient as the other
+    rank's: the input every rank holds whole is dropped with the same mask everywhere."""
+    runs = [r["dropout"] for r in ranks]
+    replicated = [n for n, (dim, _) in runs[0]["shardings"].items() if dim is None]
+    assert len(replicated) == 4 * ARCHS["qwen2.5"]["num_layers"]
+    for name in replicated:
+        assert torch.equal(runs[0]["grads"][name], runs[1]["grads"][name]), name
+    ref = ranks[0]["qwen2.5"]["tp2"]["grads"]  # the dropout did drop something
+    assert any(not torch.equal(runs[0]["grads"][n], ref[n]) for n in replicated)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 def test_merge_and_unmerge(ranks, arch):
     one = ranks[0][arch]

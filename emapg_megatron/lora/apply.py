@@ -77,6 +77,8 @@ def apply_lora(model, cfg: LoRAConfig, *, seed: int = 0) -> list[str]:
     if not found:
         raise ConfigError(f"--lora-target-modules {' '.join(cfg.target_modules)}: no such layer in "
                           "this model (stage)")
+    if any(hasattr(module, "lora") for _, module, _ in found):
+        raise ConfigError("this model has LoRA adapters already: apply_lora runs once per model")
     for name, module, leaf in found:  # every refusal before the model changes
         _check_base(name, module, MEGATRON_TARGETS[leaf])
         check_rank(cfg.rank, leaf, module.input_size, module.output_size)

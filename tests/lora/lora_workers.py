@@ -199,7 +199,10 @@ def lora_job() -> dict:
         cfg = ModelConfig(**shape)
         out[arch], hf, full = one_rank(cfg)
         inputs[arch] = cfg, hf, full
+    twice = build(ModelConfig(**ARCHS["qwen2.5"]))
+    apply_lora(twice, lora_config())
     out["refused"] = {
+        "twice": refusal(lambda: apply_lora(twice, lora_config())),
         "rank_above_width": refusal(lambda: apply_lora(build(ModelConfig(**ARCHS["qwen3"])),
                                                        lora_config(rank=65))),
         "rank_0": refusal(lambda: apply_lora(build(ModelConfig(**ARCHS["qwen3"])), lora_config(rank=0))),

@@ -99,6 +99,7 @@ def test_refusals_that_need_a_model(ranks):
     refused = ranks[0]["refused"]
     assert refused["rank_above_width"] == ("--lora-rank 65 exceeds the width of linear_proj (128 in, "
                                            "64 out): use at most 64")
+    assert refused["twice"] == "this model has LoRA adapters already: apply_lora runs once per model"
     assert refused["rank_0"] == "--lora-rank 0 means no LoRA: there is nothing to apply"
     assert refused["experts"].startswith("LoRA on mixture-of-experts experts is not supported yet")
 

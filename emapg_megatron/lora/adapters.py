@@ -2,8 +2,8 @@
 
 The frozen layer computes ``W x``; its adapter adds ``(alpha / rank) B A dropout(x)`` with ``A``
 ``[rank, in]`` and ``B`` ``[out, rank]`` (peft's ``lora_A.weight`` / ``lora_B.weight``
-orientation). Over TP each matrix is split where the base weight is, so no rank ever holds or
-moves a full-width tensor:
+orientation). Over TP each matrix is split where the base weight is (no rank holds a full-width
+adapter matrix):
 
 * column-parallel base (``linear_qkv``, ``linear_fc1``: output split over TP): ``A`` is
   replicated (it reads the whole input), ``B`` split on its output rows exactly like the base

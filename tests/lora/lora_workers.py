@@ -7,7 +7,7 @@ One 2-rank job runs everything. First each rank runs the one-rank layout (the on
 base model's logits, the LoRA model's at B = 0, then with seeded random B the logits and adapter
 gradients, then merged and unmerged. Then the parallel state is rebuilt at TP = 2 and the same
 weights (the one-rank model's, through the HF mapping) and adapters run without and with sequence
-parallelism, and once with dropout. A MoE model and a too-large rank give their refusal lines.
+parallelism, and once with dropout; last, at PP = 2, each stage's adapters as initialised. A MoE model and a too-large rank give their refusal lines.
 """
 
 from __future__ import annotations
@@ -174,8 +174,9 @@ def dropout_run(cfg, hf: dict, full: dict) -> dict:
     return {"grads": grads, "shardings": shardings}
 
 
-def relayout(tp: int) -> None:
-    """Rebuild Megatron's parallel state at TP = ``tp`` on the same ranks, seeded again."""
+def relayout(tp: int, pp: int = 1) -> None:
+    """Rebuild Megatron's parallel state at TP = ``tp``, PP = ``pp`` on the same ranks, seeded
+    again."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -183,7 +184,8 @@ def relayout(tp: int) -> None:
     from emapg_megatron.runtime.distributed import model_parallel_options
 
     ps.destroy_model_parallel()
-    ps.initialize_model_parallel(**model_parallel_options(ParallelConfig(tensor_model_parallel_size=tp)))
+    layout = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    ps.initialize_model_parallel(**model_parallel_options(layout))
     torch.manual_seed(SEED)
     model_parallel_cuda_manual_seed(SEED)
 
@@ -191,7 +193,7 @@ def relayout(tp: int) -> None:
 def lora_job() -> dict:
     """Every arch at one rank, then at TP = 2 without and with sequence parallelism; and the
     refusals that need a model."""
-    from emapg_megatron.lora.apply import apply_lora
+    from emapg_megatron.lora.apply import adapter_parameters, apply_lora
     from emapg_megatron.models.config import ModelConfig
 
     out, inputs = {}, {}
@@ -215,4 +217,8 @@ def lora_job() -> dict:
             out[arch][f"tp2{'-sp' if sp else ''}"] = tensor_parallel_run(cfg, hf, full, sp)
     cfg, hf, full = inputs["qwen2.5"]
     out["dropout"] = dropout_run(cfg, hf, full)
+    relayout(1, pp=2)  # each stage's adapters under their global names, A as at one rank
+    stage = build(inputs["qwen3"][0])
+    apply_lora(stage, lora_config(), seed=SEED)
+    out["pp2_init"] = {n: p.detach().cpu().clone() for n, p, _ in adapter_parameters(stage)}
     return out

@@ -73,6 +73,19 @@ def test_tensor_parallel_matches_one_rank(ranks, arch, layout):
 
 
 @pytest.mark.slow
+def test_pipeline_stages_name_and_draw_adapters_globally(ranks):
+    """At PP = 2 each stage holds its own layers' adapters under their global names, and A is
+    the one-rank A of that name (the draw is seeded by the global name)."""
+    stages = [r["pp2_init"] for r in ranks]
+    assert not set(stages[0]) & set(stages[1])
+    one = ranks[0]["qwen3"]["init_A"]
+    assert {n for s in stages for n in s if n.endswith(".A")} == set(one)
+    for stage in stages:
+        for name, value in stage.items():
+            assert torch.equal(value, one[name]) if name.endswith(".A") else not value.any(), name
+
+
+@pytest.mark.slow
 def test_dropout_keeps_replicated_matrices_replicated(ranks):
     """With dropout, TP rank r's column-side A and row-side B get the same gradient as the other
     rank's: the input every rank holds whole is dropped with the same mask everywhere."""

@@ -1,6 +1,9 @@
 """LoRA's config (emapg_megatron.lora.config): its flags, the target names (Megatron's and Hugging
 Face's, fused layers whole) and each refusal line. No torch model, no Megatron."""
 
+import subprocess
+import sys
+
 import pytest
 
 from emapg_megatron import configurable
@@ -59,3 +62,10 @@ def test_refusals(argv, line):
     with pytest.raises(ConfigError) as e:
         parse(["--lora-rank", "4", *argv]).validate()
     assert str(e.value) == line
+
+
+def test_the_config_imports_no_torch():
+    code = ("import sys, emapg_megatron.lora, emapg_megatron.lora.config; "
+            "print([m for m in sys.modules if m.startswith(('torch', 'megatron'))])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr

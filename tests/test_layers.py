@@ -17,7 +17,7 @@ LAYERS = (
     ("runtime",),  # process groups, parallel state, devices
     ("multiprocess",),  # ranks forked or spawned with the runtime up
     ("kl", "models", "algo", "tasks"),  # the maths on full tensors, model building, RL algebra, tasks
-    ("parallel",),  # vocab-parallel ops: no RL
+    ("parallel", "lora"),  # vocab-parallel ops: no RL; LoRA adapters on the model's linears
     ("training",),  # the Megatron machinery: schedules, micro-batches, optimizer steps, data
     ("checkpoint",),  # dist checkpoints of a run, HF <-> Megatron
     ("anchor", "rollout"),  # the KL anchor (EMA, teacher); rollout engines and collection

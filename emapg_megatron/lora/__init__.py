@@ -1,0 +1,3 @@
+"""LoRA adapters on the GPTModel's tensor-parallel linears (docs/lora.md): the config
+(``lora.config``, no torch), the adapter maths (``lora.adapters``) and putting adapters on a model,
+merging and unmerging them (``lora.apply``). Not wired into the trainer yet."""

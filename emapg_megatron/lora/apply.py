@@ -1,0 +1,159 @@
+"""Put LoRA adapters on a GPTModel (:func:`apply_lora`), read and set them by global name, merge
+them into the base weights and take them out again (docs/lora.md).
+
+Names. An adapter is the child ``lora`` of the linear it adapts, so the base keeps its names and
+the adapter's matrices are ``<linear>.lora.A`` ``[rank, in]`` and ``<linear>.lora.B``
+``[out, rank]``, oriented like peft's. With the global layer index N (:func:`named_adapters`) they
+map onto peft's names (prefix ``base_model.model.model.layers.N.``) as follows:
+
+=============================================  =====================================================
+ours (``decoder.layers.N.``)                    peft (``base_model.model.model.layers.N.``)
+=============================================  =====================================================
+``self_attention.linear_qkv.lora.A``            ``self_attn.{q,k,v}_proj.lora_A.weight``: the same A
+``self_attention.linear_qkv.lora.B``            ``self_attn.{q,k,v}_proj.lora_B.weight``: B's rows
+                                                split per query group ``[q heads, k, v]`` as the
+                                                base weight (``checkpoint.hf_mapping.FusedQKV``)
+``self_attention.linear_proj.lora.{A,B}``       ``self_attn.o_proj.lora_{A,B}.weight``
+``mlp.linear_fc1.lora.A``                       ``mlp.{gate,up}_proj.lora_A.weight``: the same A
+``mlp.linear_fc1.lora.B``                       ``mlp.{gate,up}_proj.lora_B.weight``: B's halves
+                                                ``[gate; up]`` (``hf_mapping.GateUp``)
+``mlp.linear_fc2.lora.{A,B}``                   ``mlp.down_proj.lora_{A,B}.weight``
+=============================================  =====================================================
+
+peft's ``lora_alpha`` / ``r`` are ``--lora-alpha`` / ``--lora-rank`` (the same scale). A fused
+layer's adapter shares one A between its projections, so it exports exactly into peft's format;
+a peft adapter trained with a separate A per projection is a different (rank-3r) family and does
+not load into it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator, Mapping
+
+import torch
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+from emapg_megatron.errors import ConfigError
+from emapg_megatron.lora import adapters
+from emapg_megatron.lora.config import MEGATRON_TARGETS, LoRAConfig, check_rank
+from emapg_megatron.models.gpt import global_param_name, unwrap
+
+#: The base classes an adapter knows how to wrap, by parallel kind. Transformer Engine's linears
+#: (TELayerNormColumnParallelLinear fuses the layer's norm: the adapter would need the normed
+#: input it does not return by default) are not among them yet.
+BASE_CLASSES = {adapters.COLUMN: ColumnParallelLinear, adapters.ROW: RowParallelLinear}
+
+
+def _check_base(name: str, module, kind: str) -> None:
+    """One line for a layer an adapter cannot wrap exactly."""
+    if not isinstance(module, BASE_CLASSES[kind]):
+        raise ConfigError(f"LoRA adapts Megatron's local {BASE_CLASSES[kind].__name__}; {name} is a "
+                          f"{type(module).__name__} (Transformer Engine's layers are not supported "
+                          "yet: use --transformer-impl local)")
+    if module.is_expert:
+        raise ConfigError(f"LoRA on mixture-of-experts experts is not supported yet ({name})")
+    if (kind == adapters.COLUMN and module.gather_output) or (kind == adapters.ROW and not module.input_is_parallel):
+        raise ConfigError(f"LoRA needs {name} to keep its TP split (no gather_output, a split input)")
+
+
+def _adapted_linears(gpt, targets: tuple[str, ...]) -> Iterator[tuple[str, torch.nn.Module, str]]:
+    for name, module in gpt.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf in targets:
+            yield name, module, leaf
+
+
+def apply_lora(model, cfg: LoRAConfig, *, seed: int = 0) -> list[str]:
+    """Freeze every parameter of ``model`` (any wrapper of a GPTModel) and give each target
+    linear an adapter: A drawn like peft's (:func:`init_adapters`), B = 0, so the model computes
+    exactly what it did. Call on the model as built, before DDP and the optimizer. Returns the
+    adapted modules' names."""
+    gpt = unwrap(model)
+    if not cfg.enabled:
+        raise ConfigError("--lora-rank 0 means no LoRA: there is nothing to apply")
+    cfg.validate()
+    found = list(_adapted_linears(gpt, cfg.targets()))
+    if not found:
+        raise ConfigError(f"--lora-target-modules {' '.join(cfg.target_modules)}: no such layer in "
+                          "this model (stage)")
+    if any(hasattr(module, "lora") for _, module, _ in found):
+        raise ConfigError("this model has LoRA adapters already: apply_lora runs once per model")
+    for name, module, leaf in found:  # every refusal before the model changes
+        _check_base(name, module, MEGATRON_TARGETS[leaf])
+        check_rank(cfg.rank, leaf, module.input_size, module.output_size)
+    for param in gpt.parameters():
+        param.requires_grad_(False)
+    for name, module, leaf in found:
+        kind = MEGATRON_TARGETS[leaf]
+        gated = leaf == "linear_fc1" and module.config.gated_linear_unit
+        adapters.attach(module, adapters.LoRAAdapter(
+            kind, module.input_size, module.output_size, cfg.rank, cfg.alpha, cfg.dropout,
+            out_blocks=2 if gated else 1, tp_group=module.tp_group,
+            sequence_parallel=module.sequence_parallel, dtype=module.weight.dtype,
+            device=module.weight.device))
+    init_adapters(gpt, seed)
+    return [name for name, _, _ in found]
+
+
+def named_adapters(model) -> Iterator[tuple[str, adapters.LoRAAdapter]]:
+    """``(global name, adapter)`` of every adapter, e.g.
+    ``decoder.layers.3.self_attention.linear_qkv.lora`` (the global layer index: PP-stage
+    independent)."""
+    gpt = unwrap(model)
+    for name, module in gpt.named_modules():
+        if isinstance(module, adapters.LoRAAdapter):
+            yield global_param_name(gpt, name), module
+
+
+def adapter_parameters(model) -> Iterator[tuple[str, torch.nn.Parameter, adapters.Sharding]]:
+    """``(global name, local parameter, its TP sharding)`` of every adapter matrix."""
+    for prefix, adapter in named_adapters(model):
+        for key, param in adapter.named_parameters():
+            yield f"{prefix}.{key}", param, adapter.shardings[key]
+
+
+def name_seed(seed: int, name: str) -> int:
+    """A generator seed from the run's seed and a global parameter name: the same on every rank
+    and layout, different for every matrix."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little")
+
+
+@torch.no_grad()
+def init_adapters(model, seed: int = 0) -> None:
+    """A ~ U(-1/sqrt(in), 1/sqrt(in)) (peft's kaiming-uniform), drawn whole on the host from the
+    seed and the global name, then sliced: a TP rank's A is the matching part of the one-rank A,
+    and replicated copies are equal. B = 0."""
+    for prefix, adapter in named_adapters(model):
+        bound = adapters.kaiming_uniform_bound(adapter.in_features)
+        gen = torch.Generator().manual_seed(name_seed(seed, f"{prefix}.A"))
+        full = torch.empty(adapter.A.shape[0], adapter.in_features).uniform_(-bound, bound, generator=gen)
+        adapter.A.copy_(adapter.local("A", full))
+        adapter.B.zero_()
+
+
+@torch.no_grad()
+def set_adapter_weights(model, full: Mapping[str, torch.Tensor]) -> None:
+    """Copy one-rank (whole) adapter matrices, by global name, into this rank's shards; every
+    adapter matrix of the model must be given."""
+    for prefix, adapter in named_adapters(model):
+        for key, param in adapter.named_parameters():
+            if f"{prefix}.{key}" not in full:
+                raise ConfigError(f"no value for the adapter matrix {prefix}.{key}")
+            param.copy_(adapter.local(key, full[f"{prefix}.{key}"]))
+
+
+def merge_lora(model) -> None:
+    """Fold every adapter into its base weight (:func:`adapters.merge`)."""
+    for layer in _adapted_layers(model):
+        adapters.merge(layer)
+
+
+def unmerge_lora(model) -> None:
+    """Take every adapter out of its base weight again (:func:`adapters.unmerge`)."""
+    for layer in _adapted_layers(model):
+        adapters.unmerge(layer)
+
+
+def _adapted_layers(model) -> Iterator[torch.nn.Module]:
+    return (m for m in unwrap(model).modules() if isinstance(getattr(m, "lora", None), adapters.LoRAAdapter))

@@ -265,6 +265,15 @@ def raises_numpy_of_device_tensor():
     _dev(2).numpy()
 
 
+def ok_record_stream_of_device_tensor():
+    # Megatron's MoE dispatcher: a device tensor copied to the host on a side stream
+    _dev(2).record_stream(torch.cuda.current_stream())
+
+
+def raises_record_stream_of_host_tensor():
+    torch.randn(2).record_stream(torch.cuda.current_stream())
+
+
 def ok_deepcopy_keeps_side():
     t = _dev(2)
     assert _D(copy.deepcopy(t)) and not _D(copy.deepcopy(torch.randn(2)))
@@ -438,6 +447,7 @@ NAMED = {
     "raises_mix_inside_custom_backward": "torch.Tensor.mul",
     "raises_assigning_host_grad": "grad",
     "raises_numpy_of_device_tensor": "numpy",
+    "raises_record_stream_of_host_tensor": "record_stream",
     "raises_all_reduce_host_on_default_group": "torch.distributed.all_reduce on an NCCL",
     "raises_all_reduce_host_0dim": "torch.distributed.all_reduce on an NCCL",
     "raises_all_gather_into_tensor_host_input": "torch.distributed.all_gather_into_tensor",

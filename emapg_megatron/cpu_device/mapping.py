@@ -136,7 +136,13 @@ def _patch_megatron_rng():
     )
 
 
-class _NullStream:
+class _NullStream(torch.Stream):
+    """CPU's one stream. A ``torch.Stream`` so that what takes a stream argument accepts it
+    (``tensor.record_stream(torch.cuda.current_stream())`` in Megatron's MoE dispatcher)."""
+
+    def __new__(cls, *args, **kwargs):
+        return super().__new__(cls, device="cpu")
+
     def __init__(self, *args, **kwargs):
         pass
 

@@ -404,6 +404,15 @@ def _sp_index_put(func, args, kwargs):
     return _on_side_of(func(*args, **kwargs), self)
 
 
+def _sp_record_stream(func, args, kwargs):
+    """A device tensor's use on a side stream: CPU has one stream, so nothing to record (Megatron's
+    MoE dispatcher records its device-to-host copies); a host tensor has no stream, as on a GPU."""
+    if not is_tagged(storage_of(args[0])):
+        raise DeviceMixError(f"{_op_name(func)} of a host (cpu) tensor: only device tensors have "
+                             "streams (strict CPU mode)")
+    return None
+
+
 def _build_specials() -> dict:
     T = torch.Tensor
     sp = {
@@ -419,6 +428,7 @@ def _build_specials() -> dict:
         T.new_tensor: _sp_new_tensor,
         T.__deepcopy__: _sp_deepcopy,
         T.numpy: _sp_numpy,
+        T.record_stream: _sp_record_stream,
         T.__array__: _sp_numpy,
         T.grad.__set__: _sp_grad_set,
         T.data.__set__: _sp_cross_device,

@@ -19,6 +19,9 @@ RUNS = {  # nproc, flags
     "pp2": (2, ["--pipeline-model-parallel-size", "2"]),
     "dp2-distopt-ema-sharded": (2, ["--use-distributed-optimizer", "--ema-shard-over-dp"]),
     "ema-offload-stability": (1, ["--ema-cpu-offload", "--ema-stability-interval", "1"]),
+    "moe-ep2-alltoall-replay": (2, ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "64",
+                                    "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall",
+                                    "--moe-routing-replay", "r2"]),
 }
 
 

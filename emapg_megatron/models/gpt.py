@@ -227,7 +227,7 @@ def mark_experts_expert_parallel(model) -> None:
     checkpoint's optimizer state has the same structure at EP = 1 and EP = 2 and reshards across.
     """
     for name, param in model.named_parameters():
-        if EXPERTS in name or ".experts." in name:
+        if ".experts." in name:  # SequentialMLP's local_experts.j.* and the grouped GEMM's weightj
             param.allreduce = False
 
 

@@ -14,16 +14,12 @@ not exist: megatron-core refuses expert and tensor parallelism without it (docs/
 
 import pytest
 import torch
+from test_equivalence_matrix import BASE, STEPS  # the dense matrix's run, its model aside
 from trainer_launch import COMPARED as DENSE_COMPARED
 
 pytestmark = pytest.mark.slow
 
 COMPARED = (*DENSE_COMPARED, "grad_norm", "moe_load_max_over_mean")
-STEPS = 3
-BASE = ["--preset", "tiny-cpu", "--tensor-model-parallel-size", "1", "--rollout-batch-size", "4",
-        "--num-samples-per-prompt", "4", "--micro-batch-size", "4", "--global-batch-size", "8",
-        "--ema-update-period", "1", "--ema-eta", "0.5", "--max-new-tokens", "4", "--lr", "0.002",
-        "--kl-coef", "0.05", "--make-vocab-size-divisible-by", "8"]
 # four data ranks hold whole prompt groups of two samples; two updates per step as above
 DP4_BATCHES = ["--rollout-batch-size", "8", "--num-samples-per-prompt", "2", "--micro-batch-size", "2"]
 SP = ["--sequence-parallel"]

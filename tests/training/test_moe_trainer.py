@@ -10,6 +10,8 @@ weight afterwards, router and experts included (each global expert read from the
 
 import pytest
 import torch
+from test_equivalence_matrix import BASE as DENSE_BASE
+from test_equivalence_matrix import STEPS
 from trainer_launch import COMPARED as DENSE_COMPARED
 
 from emapg_megatron.multiprocess import run_distributed
@@ -19,12 +21,8 @@ pytestmark = pytest.mark.slow
 # the expert load (most-loaded expert over the mean, per layer, counted over all data ranks)
 COMPARED = (*DENSE_COMPARED, "moe_load_max_over_mean", "moe_load_max_over_mean_worst")
 
-STEPS = 3
-BASE = ["--preset", "tiny-cpu", "--tensor-model-parallel-size", "1", "--rollout-batch-size", "4",
-        "--num-samples-per-prompt", "4", "--micro-batch-size", "4", "--global-batch-size", "8",
-        "--ema-update-period", "1", "--ema-eta", "0.5", "--max-new-tokens", "4", "--lr", "0.002",
-        "--kl-coef", "0.05", "--make-vocab-size-divisible-by", "8",
-        "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "64"]
+# the dense equivalence matrix's run on tiny-cpu's model with experts
+BASE = [*DENSE_BASE, "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "64"]
 EP2 = ["--expert-model-parallel-size", "2"]
 LAYOUTS = {
     "ep2-allgather": EP2,

@@ -281,9 +281,6 @@ def validate_architecture(cfg: RunConfig, model_cfg: ModelConfig) -> None:
         _check(tp == 1 or cfg.parallel.sequence_parallel,
                f"Megatron's MoE layers train at --tensor-model-parallel-size {tp} only with "
                "--sequence-parallel: add it (or use expert parallelism instead of TP)")
-        _check(cfg.sampler.engine != "vllm", "--rollout-engine vllm does not sample mixture-of-experts "
-                                             "policies yet (the weight sync has no expert mapping): use "
-                                             "the built-in sampler")
     if cfg.moe.routing_replay != "none":
         _check(model_cfg.is_moe, f"--moe-routing-replay {cfg.moe.routing_replay} needs a mixture-of-experts "
                                  "model: this one is dense")

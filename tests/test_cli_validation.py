@@ -269,13 +269,13 @@ def test_unwritable_output_paths_stop_before_any_work(tmp_path):
         assert e.value.code == 2 and err.getvalue().strip() == f"error: {flag} {blocker / 'sub'}: {blocker} is not a directory"
 
 
-def test_vllm_refuses_a_mixture_of_experts_policy():
-    """The resolved architecture decides (a MoE --load-hf as much as --num-experts)."""
+def test_vllm_samples_a_mixture_of_experts_policy_at_any_expert_parallelism():
+    """vLLM gets every expert from the weight sync (tests/rollout/test_vllm_engine_orchestration.py)
+    and its ranks need not run in step: no expert-group sampling."""
     from emapg_megatron.arguments import parse_args, validate_architecture
-    from emapg_megatron.errors import ConfigError
     from emapg_megatron.models.config import ModelConfig
 
-    cfg = parse_args(["--preset", "tiny-cpu", "--rollout-engine", "vllm", "--tensor-model-parallel-size", "1"])
-    validate_architecture(cfg, ModelConfig(vocab_size=13))
-    with pytest.raises(ConfigError, match="--rollout-engine vllm does not sample mixture-of-experts"):
+    for ep in ("1", "2"):
+        cfg = parse_args(["--preset", "tiny-cpu", "--rollout-engine", "vllm", "--tensor-model-parallel-size", "1",
+                          "--expert-model-parallel-size", ep])
         validate_architecture(cfg, ModelConfig(vocab_size=13, num_experts=4))

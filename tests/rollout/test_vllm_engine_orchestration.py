@@ -742,8 +742,9 @@ def test_load_generation_backend_needs_config_json(fake_vllm, tmp_path):
 # the real export stream (tiny Megatron model at TP=2 or PP=2) into the fake worker; the engine's
 # batch broadcast over the model-parallel group (vLLM TP 1 < trainer TP 2, or PP 2)
 # ============================================================================================
-def _megatron_engine_worker(hf: str, tp: int, pp: int) -> dict:
-    """Runs in a spawned rank: the fake vLLM, a real tiny Megatron model, the real sync_weights."""
+def _megatron_engine_worker(hf: str, tp: int, pp: int, ep: int = 1) -> dict:
+    """Runs in a spawned rank: the fake vLLM, a real tiny Megatron model (with 4 experts at
+    ``ep`` > 1, each rank holding ``4 / ep``), the real sync_weights."""
     import torch.distributed as dist
 
     sys.modules["vllm"] = make_fake_vllm()
@@ -754,7 +755,8 @@ def _megatron_engine_worker(hf: str, tp: int, pp: int) -> dict:
     from emapg_megatron.models.gpt import build_for_this_rank
 
     rank = dist.get_rank()
-    cfg = ModelConfig(**TINY)
+    experts = dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48) if ep > 1 else {}
+    cfg = ModelConfig(**TINY, **experts)
     model = build_for_this_rank(cfg)
     vllm_cfg = VLLMConfig(hf, sleep_level=2, weight_sync_bucket_mb=20_000 / 2**20, tensor_parallel_size=1)
     engine = VLLMEngine(vllm_cfg, cfg, seq_length=32, pad_id=0, model_chunks=[model], trainer_tp=tp,
@@ -774,12 +776,22 @@ def _megatron_engine_worker(hf: str, tp: int, pp: int) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
-def test_real_megatron_export_reaches_load_weights_and_model_parallel_group_agrees(tmp_path, tp, pp):
+@pytest.mark.parametrize("tp, pp, ep", [(2, 1, 1), (1, 2, 1), (1, 1, 2)], ids=["tp2", "pp2", "moe-ep2"])
+def test_real_megatron_export_reaches_load_weights_and_model_parallel_group_agrees(tmp_path, tp, pp, ep):
+    """At EP=2 each rank holds half the experts and its vLLM gets all of them, under the names
+    of an HF checkpoint (what vLLM's MoE loaders read from disk); the two data-parallel ranks
+    sample their own prompts, as a dense model's do."""
     from emapg_megatron.multiprocess import run_distributed
 
-    results = run_distributed(_megatron_engine_worker, world_size=2, tp=tp, pp=pp,
-                              args=(hf_dir(tmp_path), tp, pp), timeout=180)
+    results = run_distributed(_megatron_engine_worker, world_size=2, tp=tp, pp=pp, ep=ep,
+                              args=(hf_dir(tmp_path), tp, pp, ep), timeout=180)
+    if ep > 1:
+        names = [name for name, _ in results[0]["direct"]]
+        for layer in range(2):
+            for e in range(4):
+                for proj in ("gate_proj", "up_proj", "down_proj"):
+                    assert f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight" in names
+            assert f"model.layers.{layer}.mlp.gate.weight" in names
     for res in results:
         direct = res["direct"]  # full (TP-gathered) HF tensors
         assert res["events"][:2] == ["sleep(2)", "wake_up(weights)"]
@@ -792,6 +804,10 @@ def test_real_megatron_export_reaches_load_weights_and_model_parallel_group_agre
         assert [name for name, _ in res["received"]] == [name for name, _ in direct]
         assert all(torch.equal(a, b) for (_, a), (_, b) in zip(res["received"], direct))
         assert res["stats"][1:] == [len(direct), sum(t.numel() * t.element_size() for _, t in direct)]
+        if ep > 1:  # data-parallel ranks: no broadcast, each trains on its own samples
+            assert not res["needs_broadcast"] and res["responses"] == res["own"]
+            assert all(torch.equal(a, b) for (_, a), (_, b) in zip(res["direct"], results[0]["direct"]))
+            continue
         assert res["needs_broadcast"]
         # both ranks train on rank 0's samples
         assert res["responses"] == results[0]["own"]

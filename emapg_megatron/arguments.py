@@ -278,6 +278,13 @@ def validate_architecture(cfg: RunConfig, model_cfg: ModelConfig) -> None:
     model_cfg.check_entries("the model")  # the bounds a config.json is held to, before any sizing
     model_cfg.validate(tp, pp, ep)
     if model_cfg.is_moe:
+        per_stage = model_cfg.num_layers // pp
+        for stage in range(pp):
+            layers = range(stage * per_stage, (stage + 1) * per_stage)
+            _check(any(model_cfg.is_moe_layer(i) for i in layers),
+                   f"--pipeline-model-parallel-size {pp} gives stage {stage} only dense-MLP layers "
+                   f"({layers.start}-{layers.stop - 1}): every stage of a MoE model needs a MoE layer "
+                   "(its expert groups' collectives span the stages); use fewer stages")
         _check(tp == 1 or cfg.parallel.sequence_parallel,
                f"Megatron's MoE layers train at --tensor-model-parallel-size {tp} only with "
                "--sequence-parallel: add it (or use expert parallelism instead of TP)")

@@ -23,7 +23,8 @@ from emapg_megatron.errors import ConfigError
 HERE = os.path.dirname(os.path.abspath(__file__))
 GOLDEN = os.path.join(HERE, "cli_flags_at_375884d.json")  # the hand-written parser's flags and defaults
 FREE_TEXT = {"--preset", "--config", "--retriever", "--wandb-project", "--wandb-exp-name", "--prompt-key",
-             "--answer-key"}  # free strings
+             "--answer-key",
+             "--moe-layer-freq"}  # free strings (that one: a pattern read by models.config.dense_mlp_layers)
 ADDED = {"--overwrite", "--kl-reference-clamps", "--rollout-dump-interval", "--wandb-project",
          "--wandb-exp-name", "--prompt-key", "--answer-key", "--eval-interval", "--eval-data-path",
          "--eval-samples", "--eval-max-prompts", "--teacher-load-hf", "--teacher-checkpoint",
@@ -33,7 +34,8 @@ ADDED = {"--overwrite", "--kl-reference-clamps", "--rollout-dump-interval", "--w
          "--max-staleness", "--math-last-number-fallback", "--kl-topk-source",
          "--copy-reward",
          # mixture of experts (issue 41): Megatron-LM's names
-         "--num-experts", "--moe-router-topk", "--moe-ffn-hidden-size", "--expert-model-parallel-size",
+         "--num-experts", "--moe-router-topk", "--moe-ffn-hidden-size", "--moe-layer-freq",
+         "--expert-model-parallel-size",
          "--expert-tensor-parallel-size", "--moe-token-dispatcher-type", "--moe-router-load-balancing-type",
          "--moe-aux-loss-coeff", "--moe-z-loss-coeff", "--moe-router-dtype", "--moe-grouped-gemm",
          "--moe-routing-replay"}  # flags added since, on purpose

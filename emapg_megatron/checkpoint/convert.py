@@ -48,7 +48,7 @@ from emapg_megatron.checkpoint.hf_io import (
     StreamingSafetensorsWriter,
     copy_tokenizer_files,
 )
-from emapg_megatron.checkpoint.hf_mapping import STORED_KEY_ALIASES, HFMapping
+from emapg_megatron.checkpoint.hf_mapping import HFMapping, stored_key_alias
 from emapg_megatron.checkpoint.paths import TRACKER, iteration_dir
 from emapg_megatron.checkpoint.safe_load import (
     DCP_METADATA,
@@ -155,8 +155,9 @@ def check_stored_tensors(ckpt_dir: str | Path, cfg: ModelConfig, what: str) -> N
     if stored is None:  # no torch_dist checkpoint: refused in one line when it is loaded
         return
     expected = HFMapping(cfg).stored_shapes()
-    for key, alias in STORED_KEY_ALIASES.items():  # either spec's key (load_mcore reads both)
-        if cfg.is_moe and key in expected and key not in stored and alias in stored:
+    for key in list(expected):  # either spec's key (load_mcore reads both)
+        alias = stored_key_alias(key) if cfg.is_moe else None
+        if alias is not None and key not in stored and alias in stored:
             expected[alias] = expected.pop(key)
     problems = [f"{key} is not stored" for key in expected if key not in stored]
     problems += [f"{key} is stored but not in the model" for key in stored if key not in expected]
@@ -243,12 +244,12 @@ def _use_stored_keys(sharded: dict, ckpt_dir: str | Path) -> None:
     stored = _stored_model_keys(ckpt_dir)
     if stored is None:
         return
-    aliases = {**STORED_KEY_ALIASES, **{v: k for k, v in STORED_KEY_ALIASES.items()}}
     for chunk in sharded.values():
         for sh in chunk.values() if isinstance(chunk, dict) else ():
             key = getattr(sh, "key", None)
-            if key in aliases and key not in stored and aliases[key] in stored:
-                sh.key = aliases[key]
+            alias = stored_key_alias(key) if isinstance(key, str) else None
+            if alias is not None and key not in stored and alias in stored:
+                sh.key = alias
 
 
 def training_step_dir(load: str | Path) -> str:

@@ -33,7 +33,7 @@ MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
 ARCH_FIELDS = ("vocab_size", "hidden_size", "ffn_hidden_size", "num_layers", "num_attention_heads",
                "num_query_groups", "kv_channels", "rotary_base", "norm_epsilon", "add_qkv_bias",
                "qk_layernorm", "tie_word_embeddings", "rope_scaling_factor", "num_experts",
-               "moe_router_topk", "moe_ffn_hidden_size", "moe_norm_topk_prob")
+               "moe_router_topk", "moe_ffn_hidden_size", "moe_norm_topk_prob", "dense_mlp_layers")
 
 _DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
@@ -183,12 +183,7 @@ _FOREIGN_MOE_KEYS = ("shared_expert_intermediate_size", "n_shared_experts", "num
 def _reject_unsupported_moe(hf: dict, arch: str) -> None:
     """Every layer a MoE layer of routed experts only, top-k at most the expert count."""
     if arch == "Qwen3MoeForCausalLM":
-        if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
-            raise ConfigError(
-                f"{arch} config mixes dense and MoE layers (decoder_sparse_step="
-                f"{shown(hf.get('decoder_sparse_step', 1))}, mlp_only_layers="
-                f"{shown(hf.get('mlp_only_layers'))}): mixed dense/MoE layers are not supported yet "
-                "(only decoder_sparse_step 1 and no mlp_only_layers)")
+        _check_dense_layer_keys(hf, arch)
         if hf.get("num_experts") is not None and hf.get("num_local_experts") is not None \
                 and hf["num_experts"] != hf["num_local_experts"]:
             raise ConfigError(f"{arch} config: num_experts {hf['num_experts']} != num_local_experts "
@@ -206,6 +201,31 @@ def _reject_unsupported_moe(hf: dict, arch: str) -> None:
         raise ConfigError(f"{arch} config: num_experts_per_tok {topk} exceeds the {experts} experts")
     if arch == "Qwen3MoeForCausalLM" and hf.get("moe_intermediate_size") is None:
         raise ConfigError(f"{arch} config: no moe_intermediate_size (the experts' width)")
+
+
+def _check_dense_layer_keys(hf: dict, arch: str) -> None:
+    """Qwen3-MoE's dense layers: decoder_sparse_step from 1 to the layer count, mlp_only_layers
+    indices of existing layers, and at least one MoE layer left."""
+    layers, step = hf["num_hidden_layers"], hf.get("decoder_sparse_step", 1)
+    if step is None:
+        step = 1
+    if type(step) is not int or not 1 <= step <= layers:
+        raise ConfigError(f"{arch} config: decoder_sparse_step must be an integer from 1 to the "
+                          f"{layers} layers (got {shown(step)})")
+    only = hf.get("mlp_only_layers") or []
+    if not all(type(i) is int and 0 <= i < layers for i in only):
+        raise ConfigError(f"{arch} config: mlp_only_layers must hold indices of the {layers} layers "
+                          f"(got {shown(only)})")
+    if not _hf_moe_layers(hf):
+        raise ConfigError(f"{arch} config: no MoE layer (decoder_sparse_step {step}, mlp_only_layers "
+                          f"{shown(only)}): every MLP is dense")
+
+
+def _hf_moe_layers(hf: dict) -> list[int]:
+    """Qwen3-MoE's rule (transformers' Qwen3MoeDecoderLayer): layer i routes to experts unless it
+    is in mlp_only_layers or (i + 1) is no multiple of decoder_sparse_step."""
+    step, only = hf.get("decoder_sparse_step") or 1, set(hf.get("mlp_only_layers") or [])
+    return [i for i in range(hf["num_hidden_layers"]) if i not in only and (i + 1) % step == 0]
 
 
 def _num_experts(hf: dict, arch: str) -> int | None:
@@ -256,9 +276,11 @@ def _moe_fields(hf: dict, arch: str) -> dict:
     if arch not in MOE_ARCHITECTURES:
         return {}
     mixtral = arch == "MixtralForCausalLM"
+    moe_layers = set(range(hf["num_hidden_layers"]) if mixtral else _hf_moe_layers(hf))
     return dict(num_experts=_num_experts(hf, arch), moe_router_topk=hf["num_experts_per_tok"],
                 moe_ffn_hidden_size=hf["intermediate_size"] if mixtral else hf["moe_intermediate_size"],
-                moe_norm_topk_prob=True if mixtral else bool(hf.get("norm_topk_prob", False)))
+                moe_norm_topk_prob=True if mixtral else bool(hf.get("norm_topk_prob", False)),
+                dense_mlp_layers=[i for i in range(hf["num_hidden_layers"]) if i not in moe_layers])
 
 
 def hf_config_from_model(cfg: ModelConfig, arch: str, *, base: dict | None = None,
@@ -318,13 +340,19 @@ def _write_moe_fields(out: dict, cfg: ModelConfig, arch: str) -> None:
     for key in [k for k in ("num_experts", "num_local_experts") if k in out] or ["num_experts"]:
         out[key] = cfg.num_experts
     out.update(moe_intermediate_size=cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size,
-               norm_topk_prob=cfg.moe_norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[])
+               norm_topk_prob=cfg.moe_norm_topk_prob)
+    # the base's own way of naming the dense layers when it names these (a round trip keeps
+    # decoder_sparse_step 2 as it is), else every dense layer listed
+    if "decoder_sparse_step" not in out or "mlp_only_layers" not in out or \
+            _hf_moe_layers({**out, "num_hidden_layers": cfg.num_layers}) != cfg.moe_layers:
+        out.update(decoder_sparse_step=1, mlp_only_layers=list(cfg.dense_mlp_layers))
 
 
 def _moe_text(cfg: ModelConfig) -> str:
     return (f"{cfg.num_experts} experts of width {cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size} "
             f"(dense FFN {cfg.ffn_hidden_size}), q/k layernorm {cfg.qk_layernorm}, top-k "
-            f"renormalised {cfg.moe_norm_topk_prob}")
+            f"renormalised {cfg.moe_norm_topk_prob}"
+            + (f", dense MLP layers {cfg.dense_mlp_layers}" if cfg.dense_mlp_layers else ""))
 
 
 def architecture_for(cfg: ModelConfig) -> str | None:
@@ -338,7 +366,8 @@ def architecture_for(cfg: ModelConfig) -> str | None:
         if (arch in MOE_ARCHITECTURES) != cfg.is_moe:
             continue
         if arch == "MixtralForCausalLM" and not (
-                cfg.moe_norm_topk_prob and cfg.moe_ffn_hidden_size in (None, cfg.ffn_hidden_size)):
+                cfg.moe_norm_topk_prob and cfg.moe_ffn_hidden_size in (None, cfg.ffn_hidden_size)
+                and not cfg.dense_mlp_layers):
             continue
         return arch
     return None
@@ -369,5 +398,6 @@ def _normalized(cfg: ModelConfig) -> dict:
     if cfg.is_moe:
         out["moe_ffn_hidden_size"] = cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size
     else:  # routing settings of a dense model compute nothing
-        out.update(moe_router_topk=None, moe_ffn_hidden_size=None, moe_norm_topk_prob=None)
+        out.update(moe_router_topk=None, moe_ffn_hidden_size=None, moe_norm_topk_prob=None,
+                   dense_mlp_layers=None)
     return out

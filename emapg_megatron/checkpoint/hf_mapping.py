@@ -156,6 +156,7 @@ class Rule:
     codec: str
     aliases: tuple[str, ...] = ()  # local-spec names of the same tensor
     when: Callable[[ModelConfig], bool] | None = None
+    mlp: str | None = None  # a layer's MLP tensor: "dense" or "experts", per layer of a MoE model
     export: bool = True
 
 
@@ -176,13 +177,6 @@ def moe_names(cfg: ModelConfig) -> dict:
     return MOE_NAMES["mixtral" if architecture_for(cfg) == "MixtralForCausalLM" else "qwen3_moe"]
 
 
-def _dense(c: ModelConfig) -> bool:
-    return not c.is_moe
-
-
-def _moe(c: ModelConfig) -> bool:
-    return c.is_moe
-
 # The mapping, in HF state-dict order. Megatron names are global (PP-stage independent).
 RULES: tuple[Rule, ...] = (
     Rule("embedding.word_embeddings.weight", (_EMBED,), "vocab"),
@@ -201,13 +195,13 @@ RULES: tuple[Rule, ...] = (
     Rule(_L + "mlp.linear_fc1.layer_norm_weight", (_H + "post_attention_layernorm.weight",),
          "replicated", aliases=(_L + "pre_mlp_layernorm.weight",)),
     Rule(_L + "mlp.linear_fc1.weight", (_H + "mlp.gate_proj.weight", _H + "mlp.up_proj.weight"),
-         "gate_up", when=_dense),
-    Rule(_L + "mlp.linear_fc2.weight", (_H + "mlp.down_proj.weight",), "row", when=_dense),
-    Rule(_L + "mlp.router.weight", (_H + "{moe}.gate.weight",), "replicated", when=_moe),
+         "gate_up", mlp="dense"),
+    Rule(_L + "mlp.linear_fc2.weight", (_H + "mlp.down_proj.weight",), "row", mlp="dense"),
+    Rule(_L + "mlp.router.weight", (_H + "{moe}.gate.weight",), "replicated", mlp="experts"),
     Rule(_L + "mlp.experts.local_experts.{e}.linear_fc1.weight",
-         (_EXPERT + "{gate}.weight", _EXPERT + "{up}.weight"), "expert_gate_up", when=_moe),
+         (_EXPERT + "{gate}.weight", _EXPERT + "{up}.weight"), "expert_gate_up", mlp="experts"),
     Rule(_L + "mlp.experts.local_experts.{e}.linear_fc2.weight", (_EXPERT + "{down}.weight",), "row",
-         when=_moe),
+         mlp="experts"),
     Rule("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated"),
     Rule("output_layer.weight", ("lm_head.weight",), "vocab",
          when=lambda c: not c.tie_word_embeddings),
@@ -222,6 +216,19 @@ RULES: tuple[Rule, ...] = (
 #: Engine's, where nothing fuses it. A dense checkpoint stores the first under either spec.
 STORED_KEY_ALIASES = {
     "decoder.layers.mlp.linear_fc1.layer_norm_weight": "decoder.layers.pre_mlp_layernorm.weight"}
+
+
+def stored_key_alias(key: str) -> str | None:
+    """The other spec's key of stored key ``key`` (:data:`STORED_KEY_ALIASES`, also under a layer's
+    own index: the keys of a model mixing dense and MoE layers), or None."""
+    layer = re.match(r"^decoder\.layers\.(\d+\.)?", key)
+    if layer is None:
+        return None
+    index = layer.group(1) or ""
+    stacked = "decoder.layers." + key[layer.end():]
+    pairs = {**STORED_KEY_ALIASES, **{v: k for k, v in STORED_KEY_ALIASES.items()}}
+    other = pairs.get(stacked)
+    return None if other is None else "decoder.layers." + index + other[len("decoder.layers."):]
 
 # HF tensors a checkpoint may carry that we do not need.
 _IGNORED_HF_SUFFIXES = (".rotary_emb.inv_freq",)
@@ -259,8 +266,7 @@ class HFMapping:
             "gate_up": GateUp(c.ffn_hidden_size),
             "expert_gate_up": GateUp(moe_ffn),
         }
-        h, v = c.hidden_size, c.vocab_size
-        f = moe_ffn if c.is_moe else c.ffn_hidden_size  # every MLP is the dense one or experts
+        h, v, f = c.hidden_size, c.vocab_size, c.ffn_hidden_size
         q, kv = c.num_attention_heads * head_dim, groups * head_dim
         self.names = moe_names(c) if c.is_moe else MOE_NAMES["qwen3_moe"]
         mlp = self.names
@@ -271,12 +277,15 @@ class HFMapping:
             "q_proj.bias": (q,), "k_proj.bias": (kv,), "v_proj.bias": (kv,),
             "q_norm.weight": (head_dim,), "k_norm.weight": (head_dim,), "o_proj.weight": (h, q),
             "gate_proj.weight": (f, h), "up_proj.weight": (f, h), "down_proj.weight": (h, f),
-            f"{mlp['gate']}.weight": (f, h), f"{mlp['up']}.weight": (f, h),
-            f"{mlp['down']}.weight": (h, f), "gate.weight": (c.num_experts, h),
+            "gate.weight": (c.num_experts, h),
         }
+        # an expert's projections (Qwen3-MoE names them like a dense MLP's) are moe_ffn wide
+        expert_shapes = {f"{mlp['gate']}.weight": (moe_ffn, h), f"{mlp['up']}.weight": (moe_ffn, h),
+                         f"{mlp['down']}.weight": (h, moe_ffn)}
 
         def shape(name):
-            return shapes[".".join(name.rsplit(".", 2)[-2:])]
+            suffix = ".".join(name.rsplit(".", 2)[-2:])
+            return expert_shapes[suffix] if ".experts." in name else shapes[suffix]
 
         self.entries, self._by_name = [], {}
         for layer in [None, *range(c.num_layers)]:
@@ -284,6 +293,8 @@ class HFMapping:
                 if ("{i}" in rule.megatron) != (layer is not None):
                     continue
                 if rule.when is not None and not rule.when(c):
+                    continue
+                if rule.mlp is not None and (rule.mlp == "experts") != c.is_moe_layer(layer):
                     continue
                 for expert in range(c.num_experts) if "{e}" in rule.megatron else [None]:
                     names = dict(i=layer, e=expert, **mlp)
@@ -317,17 +328,24 @@ class HFMapping:
                 shape = (sum(s[0] for s in e.hf_shapes), *e.hf_shapes[0][1:])
             if e.expert is not None:  # the experts of a layer stacked on a second dimension
                 shape = (self.cfg.num_experts, *shape)
-            if e.megatron.startswith("decoder.layers."):
+            if e.megatron.startswith("decoder.layers.") and self.layers_stacked:
                 shape = (self.cfg.num_layers, *shape)
             shapes[self.stored_key(e)] = shape
         return shapes
 
-    @staticmethod
-    def stored_key(entry: Entry) -> str:
+    @property
+    def layers_stacked(self) -> bool:
+        """Whether Megatron stacks the layers' tensors under one key: yes unless dense and MoE
+        layers mix (its ``moe_layer_freq`` list), when each layer keeps its index."""
+        return self.cfg.moe_layer_pattern() is None
+
+    def stored_key(self, entry: Entry) -> str:
         """The key Megatron's ``sharded_state_dict`` stores ``entry`` under: a layer's tensors
-        without the layer index (stacked), an expert's without its index either
+        without the layer index when stacked, an expert's without its index
         (``decoder.layers.mlp.experts.experts.linear_fc1.weight``)."""
-        key = re.sub(r"^decoder\.layers\.\d+\.", "decoder.layers.", entry.megatron)
+        key = entry.megatron
+        if self.layers_stacked:
+            key = re.sub(r"^decoder\.layers\.\d+\.", "decoder.layers.", key)
         if entry.expert is not None:
             key = key.replace(f".local_experts.{entry.expert}.", ".experts.")
         return key

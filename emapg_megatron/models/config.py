@@ -104,6 +104,10 @@ class ModelConfig:
     moe_norm_topk_prob: bool = True
     """Top-k routing weights renormalised to sum to 1 (HF norm_topk_prob; Mixtral always): the
     softmax over the chosen experts' logits. False: the full softmax's top-k probabilities."""
+    dense_mlp_layers: list[int] = field(default_factory=list)
+    """A MoE model's layers (global indices, ascending) whose MLP is dense, ffn_hidden_size wide:
+    HF Qwen3-MoE's mlp_only_layers and the layers its decoder_sparse_step skips; Megatron's
+    --moe-layer-freq pattern's zeros. Empty: every layer routes to experts."""
     make_vocab_size_divisible_by: int = 128
     """Pad the vocabulary to a multiple of this x TP."""
     init_method_std: float = 0.02
@@ -143,6 +147,22 @@ class ModelConfig:
                 raise ConfigError(f"{where}: {name} must be true or false (got {shown(getattr(self, name))})")
         if not isinstance(self.extra, dict):
             raise ConfigError(f"{where}: extra must be an object (got {shown(self.extra)})")
+        self._check_dense_mlp_layers(where)
+
+    def _check_dense_mlp_layers(self, where: str) -> None:
+        layers = self.dense_mlp_layers
+        if not isinstance(layers, list) or not all(type(i) is int for i in layers):
+            raise ConfigError(f"{where}: dense_mlp_layers must be a list of layer indices (got {shown(layers)})")
+        if not layers:
+            return
+        if not self.is_moe:
+            raise ConfigError(f"{where}: dense_mlp_layers {shown(layers)} needs a mixture-of-experts model")
+        if layers != sorted(set(layers)) or not 0 <= layers[0] <= layers[-1] < self.num_layers:
+            raise ConfigError(f"{where}: dense_mlp_layers must be distinct ascending indices of the "
+                              f"{self.num_layers} layers (got {shown(layers)})")
+        if len(layers) == self.num_layers:
+            raise ConfigError(f"{where}: every layer's MLP is dense (dense_mlp_layers {shown(layers)}): "
+                              "a mixture of experts needs at least one MoE layer")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -155,6 +175,22 @@ class ModelConfig:
     @property
     def is_moe(self) -> bool:
         return self.num_experts is not None
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether global layer ``layer`` routes its MLP to experts."""
+        return self.is_moe and layer not in self.dense_mlp_layers
+
+    @property
+    def moe_layers(self) -> list[int]:
+        """The global indices of the MoE layers (none for a dense model)."""
+        return [i for i in range(self.num_layers) if self.is_moe_layer(i)]
+
+    def moe_layer_pattern(self) -> list[int] | None:
+        """Megatron's ``moe_layer_freq`` list (1: a MoE layer, 0: a dense MLP), or None when every
+        layer is a MoE layer (Megatron's default; a list makes its checkpoints key each layer)."""
+        if not self.is_moe or not self.dense_mlp_layers:
+            return None
+        return [int(self.is_moe_layer(i)) for i in range(self.num_layers)]
 
     def validate(self, tp: int = 1, pp: int = 1, ep: int = 1) -> None:
         if self.is_moe and self.moe_router_topk > self.num_experts:
@@ -296,6 +332,11 @@ class ModelOptions:
     """Mixture of experts: experts each token is routed to."""
     moe_ffn_hidden_size: int | None = option(None, range=at_least(1))
     """Mixture of experts: each expert's SwiGLU inner width; default --ffn-hidden-size."""
+    moe_layer_freq: str | None = option(None, metavar="N|PATTERN")
+    """Mixture of experts: which layers route to experts, as Megatron-LM's flag: N (layers 0, N,
+    2N, ... are MoE layers, the others a dense --ffn-hidden-size MLP) or one 0/1 per layer
+    ("[0,1,1,1]" or "0,1,1,1": 1 a MoE layer). Default: every layer (--load-hf reads Qwen3-MoE's
+    mlp_only_layers / decoder_sparse_step from config.json)."""
     vocab_size: int | None = option(None, range=at_least(1))
     """Vocabulary of a randomly initialised model (synthetic task; default: its tokenizer's 13 ids).
     Larger sizes model a real LM head for benchmarks; ids beyond the tokenizer's decode to nothing."""
@@ -314,6 +355,10 @@ class ModelOptions:
             raise ConfigError(f"--vocab-size must cover the synthetic task's {SYNTHETIC_VOCAB} token "
                               f"ids (got {self.vocab_size})")
         check_fields(self)
+        if self.moe_layer_freq is not None:
+            if self.num_experts is None:
+                raise ConfigError("--moe-layer-freq needs a mixture-of-experts model (--num-experts)")
+            dense_mlp_layers(self.moe_layer_freq, self.num_layers)
 
     def architecture(self, seq_length: int) -> ModelConfig:
         """The architecture of a random init (no --load-hf): the flags' shapes, a RoPE table that
@@ -323,7 +368,28 @@ class ModelOptions:
             **shared, "vocab_size": self.vocab_size or SYNTHETIC_VOCAB,
             "max_position_embeddings": max(self.max_position_embeddings, seq_length),
             "tie_word_embeddings": not self.untie_embeddings_and_output_weights,
+            "dense_mlp_layers": (dense_mlp_layers(self.moe_layer_freq, self.num_layers)
+                                 if self.moe_layer_freq is not None else []),
             "num_query_groups": self.num_query_groups or (1 if self.group_query_attention else None)})
+
+
+def dense_mlp_layers(moe_layer_freq: str, num_layers: int) -> list[int]:
+    """The dense-MLP layers ``--moe-layer-freq`` describes (Megatron-LM's meaning, read without
+    evaluating it): ``N`` makes every N-th layer from 0 a MoE layer; a list has one 0 (dense) or
+    1 (MoE) per layer. One-line ConfigError otherwise."""
+    text = moe_layer_freq.strip()
+    if text.isdigit():
+        every = int(text)
+        if not 1 <= every <= num_layers:
+            raise ConfigError(f"--moe-layer-freq {text}: a layer interval from 1 to the {num_layers} layers")
+        return [i for i in range(num_layers) if i % every]
+    items = [t.strip() for t in text.removeprefix("[").removesuffix("]").split(",")]
+    if len(items) != num_layers or any(t not in ("0", "1") for t in items):
+        raise ConfigError(f"--moe-layer-freq {text}: an interval N, or one 0 (dense) or 1 (MoE) per "
+                          f"layer ({num_layers} of them, e.g. [0{',1' * (num_layers - 1)}])")
+    if "1" not in items:
+        raise ConfigError(f"--moe-layer-freq {text}: no MoE layer (1) in the pattern")
+    return [i for i, t in enumerate(items) if t == "0"]
 
 
 def validate_fp8_shapes(cfg: ModelConfig, tp: int, seq_length: int, sequence_parallel: bool = False,

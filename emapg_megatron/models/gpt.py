@@ -23,6 +23,7 @@ from megatron.core.transformer.transformer_block import (
     get_num_layers_to_build,
 )
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from emapg_megatron import runtime
 from emapg_megatron.errors import ConfigError
@@ -93,7 +94,8 @@ def moe_config(cfg: ModelConfig, moe: MoEOptions | None, ep: int = 1, etp: int |
                 moe_aux_loss_coeff=moe.aux_loss_coeff, moe_z_loss_coeff=moe.z_loss_coeff,
                 moe_router_dtype=moe.router_dtype, moe_grouped_gemm=moe.grouped_gemm,
                 moe_expert_capacity_factor=None, expert_model_parallel_size=ep,
-                expert_tensor_parallel_size=etp, moe_enable_routing_replay=moe.record_routes)
+                expert_tensor_parallel_size=etp, moe_enable_routing_replay=moe.record_routes,
+                **({"moe_layer_freq": pattern} if (pattern := cfg.moe_layer_pattern()) else {}))
 
 
 def validate_moe(cfg: ModelConfig, moe: MoEOptions | None, device_type: str) -> None:
@@ -167,17 +169,26 @@ def layer_spec(cfg: ModelConfig, device_type: str, tcfg, vp_stage: int | None = 
     layers (``tcfg``: the TransformerConfig)."""
     grouped = bool(tcfg.moe_grouped_gemm)
     if use_transformer_engine(device_type, impl):
+        if cfg.moe_layer_pattern():  # dense and MoE layers: Megatron's per-layer block spec
+            return specs.get_gpt_decoder_block_spec(tcfg, use_transformer_engine=True, vp_stage=vp_stage)
         return specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=cfg.num_experts, moe_grouped_gemm=grouped, qk_layernorm=cfg.qk_layernorm)
-    layer = specs.get_gpt_layer_local_spec(num_experts=cfg.num_experts, moe_grouped_gemm=grouped,
-                                           qk_layernorm=cfg.qk_layernorm, normalization="RMSNorm")
-    sub = layer.submodules
-    sub.input_layernorm = sub.pre_mlp_layernorm = LocalRMSNorm
-    attn = sub.self_attention.submodules
-    if attn.q_layernorm is not IdentityOp:
-        attn.q_layernorm = attn.k_layernorm = LocalRMSNorm
-    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(tcfg, vp_stage=vp_stage),
-                                      layer_norm=LocalRMSNorm)
+
+    def local(num_experts):
+        layer = specs.get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=grouped,
+                                               qk_layernorm=cfg.qk_layernorm, normalization="RMSNorm")
+        sub = layer.submodules
+        sub.input_layernorm = sub.pre_mlp_layernorm = LocalRMSNorm
+        attn = sub.self_attention.submodules
+        if attn.q_layernorm is not IdentityOp:
+            attn.q_layernorm = attn.k_layernorm = LocalRMSNorm
+        return layer
+
+    moe_layer, dense_layer = local(cfg.num_experts), local(None) if cfg.moe_layer_pattern() else None
+    first = get_transformer_layer_offset(tcfg, vp_stage=vp_stage)  # this stage's first global layer
+    layers = [moe_layer if dense_layer is None or cfg.is_moe_layer(first + i) else dense_layer
+              for i in range(get_num_layers_to_build(tcfg, vp_stage=vp_stage))]
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=LocalRMSNorm)
 
 
 def build_gpt_model(cfg: ModelConfig, *, tp: int = 1, pp: int = 1, pre_process: bool = True,

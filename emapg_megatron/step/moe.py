@@ -22,6 +22,7 @@ from emapg_megatron.training.router_losses import router_loss_metrics
 
 class MoERouting:
     def __init__(self, num_experts: int, num_layers: int, *, replay: bool, record: bool):
+        # num_layers: the MoE layers (a model may mix in dense ones)
         self.num_experts, self.num_layers, self.replay = num_experts, num_layers, replay
         self.record_dtype = route_dtype(num_experts) if record or replay else None
         """The dtype the old pass records routes in; None: no recording."""
@@ -33,7 +34,7 @@ class MoERouting:
         if not model_cfg.is_moe:
             return None
         record = pipeline == 1 and not sequence_parallel and not packing
-        return cls(model_cfg.num_experts, model_cfg.num_layers, replay=moe.routing_replay == "r2",
+        return cls(model_cfg.num_experts, len(model_cfg.moe_layers), replay=moe.routing_replay == "r2",
                    record=record)
 
     def after_passes(self, batch: dict) -> tuple[dict, dict]:

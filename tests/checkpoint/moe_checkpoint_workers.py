@@ -5,7 +5,8 @@ Every layer holds 4 experts, 2 per token. ``qwen3_moe`` renormalises its top-k w
 (Qwen3-30B-A3B's norm_topk_prob), ``qwen3_moe_fused_tied`` does not (transformers' default) and is
 stored the way transformers >= 5 holds experts in memory (one ``gate_up_proj`` / ``down_proj``
 tensor per layer; its ``_ref`` twin is the same model as ``save_pretrained`` writes it: one tensor
-per expert and projection), ``mixtral`` is Mixtral (Llama attention, ``block_sparse_moe``).
+per expert and projection), ``mixtral`` is Mixtral (Llama attention, ``block_sparse_moe``),
+``qwen3_moe_mixed`` a Qwen3-MoE whose first layer's MLP is dense (``decoder_sparse_step`` 2).
 """
 
 from pathlib import Path
@@ -22,6 +23,8 @@ MODELS = {
     "qwen3_moe_fused_tied": ("qwen3_moe", dict(QWEN3_MOE, norm_topk_prob=False, head_dim=16,
                                                tie_word_embeddings=True), True),
     "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2), False),
+    # every second layer a MoE layer (HF's decoder_sparse_step): layer 0's MLP is dense
+    "qwen3_moe_mixed": ("qwen3_moe", dict(QWEN3_MOE, norm_topk_prob=True, decoder_sparse_step=2), False),
 }
 BUCKET = 16 * 1024  # several buckets per model, a gathered expert slot (EP x 48 x 32 x 4 B) fits
 
@@ -136,7 +139,9 @@ def parallel_job(hf_dirs: dict, root: str, save: str | None) -> dict:
         _, res["logits_mcore"] = _logits_from(cfg, lambda m, c=ckpt: convert.load_mcore([m], c))
         model, res["logits_hf"] = _logits_from(
             cfg, lambda m, c=cfg, d=hf_dirs[name]: weights.load_hf_weights([m], c, d))
-        out["local_experts"][name] = len(model.decoder.layers[0].mlp.experts.local_experts)
+        # this stage's MoE layers' local experts (None: its layers' MLPs are all dense)
+        out["local_experts"][name] = next((len(layer.mlp.experts.local_experts) for layer in model.decoder.layers
+                                           if hasattr(layer.mlp, "experts")), None)
         buckets = list(weights.export_hf_buckets([model], cfg, bucket_bytes=BUCKET))
         res["buckets"] = len(buckets)
         res["export"] = {n: t for b in buckets for n, t in b}

@@ -7,6 +7,7 @@ Reference: ``transformers`` in fp32 in this process. Megatron runs on forked glo
 """
 
 import json
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -145,7 +146,8 @@ def test_logits_at_tp2_ep2(tp2_ep2, ref_logits, name):
 def test_logits_at_pp2_ep2(pp2_ep2, ref_logits, name):
     # Ranks 0, 1: the first stage (EP ranks 0 and 1); ranks 2, 3: the last stage.
     assert [r["ep_rank"] for r in pp2_ep2] == [0, 1, 0, 1]
-    assert all(r["local_experts"][name] == 2 for r in pp2_ep2)
+    first_stage = None if name == "qwen3_moe_mixed" else 2  # its first layer's MLP is dense
+    assert [r["local_experts"][name] for r in pp2_ep2] == [first_stage] * 2 + [2] * 2
     assert pp2_ep2[0][name]["logits_mcore"] is None and pp2_ep2[1][name]["logits_hf"] is None
     for rank in pp2_ep2[2:]:  # each EP rank ran the same tokens through both halves of the experts
         assert _max_diff(rank[name]["logits_mcore"], ref_logits[name]) <= ATOL
@@ -213,6 +215,7 @@ _MOE = dict(vocab_size=64, hidden_size=32, ffn_hidden_size=64, num_layers=2, num
     ("Qwen3MoeForCausalLM", dict(qk_layernorm=True, moe_ffn_hidden_size=48, moe_norm_topk_prob=False)),
     ("Qwen3MoeForCausalLM", dict(qk_layernorm=True, kv_channels=16, tie_word_embeddings=True)),
     ("MixtralForCausalLM", dict(rotary_base=1e6)),
+    ("Qwen3MoeForCausalLM", dict(qk_layernorm=True, num_layers=4, dense_mlp_layers=[0, 2])),
 ])
 def test_model_config_round_trips_through_hf_config(arch, extra):
     cfg = ModelConfig(**{**_MOE, **extra})
@@ -221,6 +224,36 @@ def test_model_config_round_trips_through_hf_config(arch, extra):
     # The experts' width comes back spelled out (Mixtral's: intermediate_size).
     assert back.moe_ffn_hidden_size == (cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size)
     assert back_arch == arch and replace(back, moe_ffn_hidden_size=cfg.moe_ffn_hidden_size) == cfg
+
+
+def test_dense_layers_read_as_transformers_builds_them_and_kept_as_the_config_names_them():
+    """Qwen3MoeDecoderLayer: layer i is a MoE layer unless it is in mlp_only_layers or (i + 1) is
+    no multiple of decoder_sparse_step; an export keeps the base's spelling when it says the same."""
+    cfg = ModelConfig(**{**_MOE, "num_layers": 6}, qk_layernorm=True)
+    base = hf_config_from_model(cfg, "Qwen3MoeForCausalLM")
+    for change, dense in [(dict(decoder_sparse_step=2), [0, 2, 4]), (dict(mlp_only_layers=[1, 5]), [1, 5]),
+                          (dict(decoder_sparse_step=3, mlp_only_layers=[5]), [0, 1, 3, 4, 5])]:
+        hf = {**base, **change}
+        read, _ = model_config_from_hf(hf)
+        assert read.dense_mlp_layers == dense and read.moe_layers == [i for i in range(6) if i not in dense]
+        assert hf_config_from_model(read, "Qwen3MoeForCausalLM", base=hf) == hf
+        spelled_out = hf_config_from_model(read, "Qwen3MoeForCausalLM", base=base)
+        assert (spelled_out["decoder_sparse_step"], spelled_out["mlp_only_layers"]) == (1, dense)
+    # Mixtral has no dense layers: a model with some is no Mixtral
+    assert architecture_for(ModelConfig(**_MOE, dense_mlp_layers=[0])) is None
+
+
+@pytest.mark.parametrize("layers, message", [
+    ([1, 0], "distinct ascending indices of the 2 layers (got [1, 0])"),
+    ([2], "distinct ascending indices of the 2 layers (got [2])"),
+    ([0, 1], "every layer's MLP is dense"),
+    ("0", "dense_mlp_layers must be a list of layer indices"),
+])
+def test_a_stored_model_config_with_bad_dense_layers_is_one_line(layers, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        ModelConfig.from_dict({**_MOE, "dense_mlp_layers": layers}, "stored config")
+    with pytest.raises(ConfigError, match="needs a mixture-of-experts model"):
+        ModelConfig.from_dict({**_MOE, "num_experts": None, "dense_mlp_layers": [0]}, "stored config")
 
 
 def test_released_qwen3_moe_config_is_read():
@@ -279,8 +312,10 @@ def _mixtral_config(**change) -> dict:
     (_mixtral_config(num_local_experts=10**9), "num_local_experts must be an integer from 1 to 4096"),
     (_qwen3_moe_config(num_experts_per_tok=0), "num_experts_per_tok must be an integer from 1 to 4096"),
     (_qwen3_moe_config(moe_intermediate_size=1 << 40), "moe_intermediate_size must be an integer from 1"),
-    (_qwen3_moe_config(decoder_sparse_step=2), "mixed dense/MoE layers are not supported yet"),
-    (_qwen3_moe_config(mlp_only_layers=[0]), "mixed dense/MoE layers are not supported yet"),
+    (_qwen3_moe_config(decoder_sparse_step=0), "decoder_sparse_step must be an integer from 1 to the 2 layers"),
+    (_qwen3_moe_config(decoder_sparse_step=10**9), "decoder_sparse_step must be an integer from 1 to the 2"),
+    (_qwen3_moe_config(mlp_only_layers=[0, 2]), "mlp_only_layers must hold indices of the 2 layers (got [0, 2])"),
+    (_qwen3_moe_config(mlp_only_layers=[0, 1]), "no MoE layer (decoder_sparse_step 1, mlp_only_layers [0, 1])"),
     (_qwen3_moe_config(mlp_only_layers="0"), "mlp_only_layers must be a list"),
     (_qwen3_moe_config(shared_expert_intermediate_size=128), "shared_expert_intermediate_size=128"),
     (_qwen3_moe_config(norm_topk_prob="yes"), "norm_topk_prob must be a bool"),

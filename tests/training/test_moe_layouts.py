@@ -28,11 +28,14 @@ LAYOUTS = {  # nproc, TP, PP, EP, flags
     "ep2xtp2-sp-etp1": (4, 2, 1, 2, [*SP, "--expert-tensor-parallel-size", "1"]),
     "ep2xpp2": (4, 1, 2, 2, []),
     "ep2xdp2-distopt": (4, 1, 1, 2, [*DP4_BATCHES, "--use-distributed-optimizer"]),
+    "ep2": (2, 1, 1, 2, []),
 }
 # four processes per case on the two-core CI machine: the experts split by TP on Qwen3-MoE and
 # whole on Mixtral, PP on both, expert-data-parallel on Qwen3-MoE
 CASES = [("qwen3_moe", "ep2xtp2-sp"), ("qwen3_moe", "ep2xpp2"), ("qwen3_moe", "ep2xdp2-distopt"),
-         ("mixtral", "ep2xtp2-sp-etp1"), ("mixtral", "ep2xpp2")]
+         ("mixtral", "ep2xtp2-sp-etp1"), ("mixtral", "ep2xpp2"),
+         # a dense first layer (decoder_sparse_step 2)
+         ("qwen3_moe_mixed", "ep2")]
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +46,7 @@ def hf_dirs(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("moe_hf")
     dirs = {}
-    for seed, arch in enumerate(("qwen3_moe", "mixtral")):
+    for seed, arch in enumerate(("qwen3_moe", "mixtral", "qwen3_moe_mixed")):
         family, overrides, _ = MODELS[arch]
         build_hf_model(family, {**overrides, "vocab_size": 16}, seed).save_pretrained(root / arch)
         dirs[arch] = str(root / arch)
@@ -125,3 +128,44 @@ def test_a_moe_teacher_the_expert_layout_cannot_split_is_refused_in_one_line(hf_
     with pytest.raises(ConfigError, match=r"teacher cannot be split like the student: "
                                           r"--expert-model-parallel-size 8 does not divide the 4 experts"):
         teacher_model_config(teacher, student, tp=1, pp=1, ep=8, seq_length=8)
+
+
+@pytest.mark.parametrize("freq, dense", [("1", []), ("2", [1, 3]), ("[0,1,1,1]", [0]), ("0, 1, 0, 1", [0, 2])])
+def test_moe_layer_freq_reads_as_megatron_lm_does(freq, dense):
+    """--moe-layer-freq N: layers 0, N, 2N... route to experts; a pattern: 1 per MoE layer."""
+    from emapg_megatron.arguments import parse_args
+
+    argv = ["--preset", "tiny-cpu", "--num-layers", "4", "--num-experts", "4", "--moe-layer-freq", freq]
+    cfg = parse_args(argv).model.architecture(8)
+    assert cfg.dense_mlp_layers == dense and cfg.moe_layer_pattern() == (
+        None if not dense else [int(i not in dense) for i in range(4)])
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--moe-layer-freq", "2"], "--moe-layer-freq needs a mixture-of-experts model (--num-experts)"),
+    (["--num-experts", "4", "--moe-layer-freq", "[0,1]"], "one 0 (dense) or 1 (MoE) per layer (4 of them"),
+    (["--num-experts", "4", "--moe-layer-freq", "[0,0,0,0]"], "no MoE layer (1) in the pattern"),
+    (["--num-experts", "4", "--moe-layer-freq", "9"], "a layer interval from 1 to the 4 layers"),
+    (["--num-experts", "4", "--moe-layer-freq", "([0]*3+[1])"], "an interval N, or one 0 (dense)"),
+])
+def test_a_bad_moe_layer_freq_is_one_line(flags, message):
+    from emapg_megatron.arguments import parse_args, validate
+    from emapg_megatron.errors import ConfigError
+
+    with pytest.raises(ConfigError) as e:  # the checks that need no process group
+        validate(parse_args(["--preset", "tiny-cpu", "--num-layers", "4", *flags]), world_size=2)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_pipeline_stage_without_a_moe_layer_is_refused_in_one_line(hf_dirs):
+    """Megatron builds no expert optimizer on such a stage while the others reduce their experts'
+    statistics over groups that span it: the run would hang. Refused before any process group."""
+    from emapg_megatron.arguments import parse_args, validate_architecture
+    from emapg_megatron.checkpoint.hf_config import model_config_from_hf, read_hf_config
+    from emapg_megatron.errors import ConfigError
+
+    model_cfg, _ = model_config_from_hf(read_hf_config(hf_dirs["qwen3_moe_mixed"]))
+    cfg = parse_args(_argv(hf_dirs["qwen3_moe_mixed"], "ep2xpp2"))
+    with pytest.raises(ConfigError, match=r"--pipeline-model-parallel-size 2 gives stage 0 only dense-MLP "
+                                          r"layers \(0-0\): every stage of a MoE model needs a MoE layer"):
+        validate_architecture(cfg, model_cfg)

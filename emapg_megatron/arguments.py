@@ -277,13 +277,6 @@ def validate_architecture(cfg: RunConfig, model_cfg: ModelConfig) -> None:
     ep = cfg.parallel.expert_model_parallel_size
     model_cfg.check_entries("the model")  # the bounds a config.json is held to, before any sizing
     model_cfg.validate(tp, pp, ep)
-    if model_cfg.is_moe:
-        _check(tp == 1 or cfg.parallel.sequence_parallel,
-               f"Megatron's MoE layers train at --tensor-model-parallel-size {tp} only with "
-               "--sequence-parallel: add it (or use expert parallelism instead of TP)")
-        _check(cfg.sampler.engine != "vllm", "--rollout-engine vllm does not sample mixture-of-experts "
-                                             "policies yet (the weight sync has no expert mapping): use "
-                                             "the built-in sampler")
     if cfg.moe.routing_replay != "none":
         _check(model_cfg.is_moe, f"--moe-routing-replay {cfg.moe.routing_replay} needs a mixture-of-experts "
                                  "model: this one is dense")
@@ -292,6 +285,19 @@ def validate_architecture(cfg: RunConfig, model_cfg: ModelConfig) -> None:
                          ("--sequence-packing", cfg.step.sequence_packing)):
             _check(not on, f"--moe-routing-replay {cfg.moe.routing_replay} does not support {flag} yet "
                            "(the recorded routes are laid out per padded sequence, on every stage)")
+    if cfg.moe.routing_replay == "r3":
+        _check(cfg.sampler.engine != "vllm", "--moe-routing-replay r3 replays the routes the built-in "
+                                             "sampler records; --rollout-engine vllm returns none: use r2")
+        _check(not cfg.partial_rollouts.enabled,
+               "--moe-routing-replay r3 does not support --partial-rollouts yet (a carried prefix's routes "
+               "are not kept with it): use r2")
+    if model_cfg.is_moe:
+        _check(tp == 1 or cfg.parallel.sequence_parallel,
+               f"Megatron's MoE layers train at --tensor-model-parallel-size {tp} only with "
+               "--sequence-parallel: add it (or use expert parallelism instead of TP)")
+        _check(cfg.sampler.engine != "vllm", "--rollout-engine vllm does not sample mixture-of-experts "
+                                             "policies yet (the weight sync has no expert mapping): use "
+                                             "the built-in sampler")
     if ep > 1:  # the expert group's ranks must run the same forwards (rollout/expert_group.py)
         for flag, on in (("--partial-rollouts", cfg.partial_rollouts.enabled),
                          ("--sequence-packing", cfg.step.sequence_packing)):

@@ -12,9 +12,10 @@ Randomness is one uniform number per (sequence, turn, token), drawn from a gener
 samples the same tokens at any TP/PP/DP layout and on every path: the basis of the
 layout-equivalence tests.
 
-Given a ``route_dtype`` (a MoE policy whose routes the trainer can lay per sequence), a single-turn
-generate also returns the experts every token was routed to (``RolloutBatch.routes``,
-:mod:`.route_recording`): R3 replays them, and the trainer compares them with its own.
+Given a ``route_dtype`` (a MoE policy whose routes the trainer can lay per sequence), a generate
+(single-turn or multi-turn episodes) also returns the experts every token was routed to
+(``RolloutBatch.routes``, :mod:`.route_recording`): R3 replays them, and the trainer compares them
+with its own.
 """
 
 from __future__ import annotations
@@ -255,11 +256,14 @@ class MegatronSampler:
             return [kv.CONTINUE if not end or next_turn(s, s.turn_index + 1) else kv.DONE
                     for s, end in zip(due, ended)]
 
-        streams = [next_turn(kv.Stream(s, [], 0, []), 0) for s in range(len(episodes))]
-        streams = [s for s in streams if s is not None]
+        every = [kv.Stream(s, [], 0, []) for s in range(len(episodes))]
+        streams = [s for s in (next_turn(s, 0) for s in every) if s is not None]
         stats, sampling = self.decoder.new_stats(), Sampling(temperature, top_p)
         while streams:  # a stream whose environment rewrote cached tokens restarts in a new cache
             streams = self._run(streams, advance, sampling, stats)
         batch = pack_episodes(episodes, n, self.seq_length, self.pad_id)
         batch.stats = stats
+        # an episode's row is its history (prompt, turns, observations) from position 0, as fed; a
+        # rewritten history was refed, so its trace holds the routes of the tokens the row keeps
+        batch.routes = batch_routes([s.trace for s in every], batch.tokens.shape[1])
         return batch, episodes

@@ -243,7 +243,7 @@ class MoEOptions:
     """r2: the training passes replay the experts the old-policy pass chose for each token
     (Megatron's RouterReplay), so an update sees the routes that gave the old log-probs. r3: the
     old-policy and training passes replay the experts the built-in sampler chose while generating
-    (single-turn, no --partial-rollouts), so they route as the rollout did. The anchor pass routes
+    (not with --partial-rollouts or vLLM), so they route as the rollout did. The anchor pass routes
     itself. none: every pass routes afresh. (docs/moe.md)"""
     grouped_gemm: bool = option(False, flag="--moe-grouped-gemm")
     """Run the local experts as one grouped GEMM (Transformer Engine on a GPU) instead of one

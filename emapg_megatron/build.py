@@ -204,12 +204,15 @@ def build_trainer(inputs: RunInputs) -> Trainer:
     monitor = StabilityMonitor.from_config(cfg.ema) if cfg.ema.stability_interval else None
     head = output_head(model_cfg.vocab_size, fused=cfg.step.fused_lm_head,
                        sequence_parallel=cfg.parallel.sequence_parallel)
-    engine = build_rollout_engine(cfg, chunks, model_cfg, inputs.tokenizer)
-    collector = build_collector(inputs, engine)
-    state = TrainState(chunks, optimizer, scheduler, build_anchor(inputs, chunks, optimizer), collector)
     routing = MoERouting.for_policy(model_cfg, cfg.moe, pipeline=cfg.parallel.pipeline_model_parallel_size,
                                     sequence_parallel=cfg.parallel.sequence_parallel,
                                     packing=cfg.step.sequence_packing)
+    # the sampler records its routes where the trainer can lay them per sequence; a partial
+    # rollout's carried prefix was routed by an earlier policy, which no trace keeps
+    sampler_routes = routing.record_dtype if routing and not cfg.partial_rollouts.enabled else None
+    engine = build_rollout_engine(cfg, chunks, model_cfg, inputs.tokenizer, route_dtype=sampler_routes)
+    collector = build_collector(inputs, engine)
+    state = TrainState(chunks, optimizer, scheduler, build_anchor(inputs, chunks, optimizer), collector)
     return Trainer(state=state, collector=collector, engine=engine, task=inputs.task, monitor=monitor,
                    passes=PolicyPasses(cfg.kl, cfg.loss, model_cfg.vocab_size, head), step_cfg=cfg.step,
                    routing=routing)
@@ -414,7 +417,8 @@ def _te_cudnn_version() -> int | None:
         return torch.backends.cudnn.version()
 
 
-def build_rollout_engine(cfg: RunConfig, chunks, model_cfg: ModelConfig, tokenizer):
+def build_rollout_engine(cfg: RunConfig, chunks, model_cfg: ModelConfig, tokenizer, route_dtype=None):
+    """vLLM, or the built-in sampler (recording a MoE policy's routes in ``route_dtype``)."""
     pad_id = getattr(tokenizer, "pad_token_id", None) or 0
     parallel, step = cfg.parallel, cfg.step
     if cfg.sampler.engine == "vllm":
@@ -427,7 +431,7 @@ def build_rollout_engine(cfg: RunConfig, chunks, model_cfg: ModelConfig, tokeniz
     sampler = MegatronSampler(chunks, cfg.sampler.resolved(cfg.partial_rollouts.enabled),
                               vocab_size=model_cfg.vocab_size, eos_id=getattr(tokenizer, "eos_token_id", None),
                               pad_id=pad_id, seq_length=step.seq_length, micro_batch_size=step.micro_batch_size,
-                              seed=cfg.loop.seed, tokenizer=tokenizer)
+                              seed=cfg.loop.seed, tokenizer=tokenizer, route_dtype=route_dtype)
     if parallel.expert_model_parallel_size > 1:  # the group's ranks must run the same forwards
         return ExpertGroupEngine(sampler, ps.get_expert_model_parallel_group())
     return sampler

@@ -24,7 +24,9 @@ from emapg_megatron.algo.advantages import compute_advantages
 from emapg_megatron.algo.config import StepConfig
 from emapg_megatron.algo.policy_loss import normaliser
 from emapg_megatron.kl import sequence_kl_penalized_reward
+from emapg_megatron.models.routing_replay import ROLLOUT_ROUTES
 from emapg_megatron.rollout.engine import logprob_mismatch
+from emapg_megatron.rollout.route_recording import pad_routes
 from emapg_megatron.step.metrics import LOSS_KEYS, StepRecord, step_metrics
 from emapg_megatron.step.passes import PolicyPasses
 from emapg_megatron.step.state import TrainState
@@ -45,19 +47,23 @@ def shifted(per_token: torch.Tensor) -> torch.Tensor:
 
 def training_batch(rollout, width_multiple: int = 1) -> dict:
     """The rollout as the passes read it: label-aligned, on the device, its width padded to a
-    multiple of ``width_multiple`` (sequence parallelism splits it over TP)."""
+    multiple of ``width_multiple`` (sequence parallelism splits it over TP). The sampler's routes,
+    when it recorded them, as ``ROLLOUT_ROUTES`` (input-aligned, like the tokens: not shifted)."""
     device = runtime.device()
     pad = -rollout.tokens.shape[1] % width_multiple
 
     def lay(t):
         return torch.nn.functional.pad(t, (0, pad)).to(device)
 
-    return {
+    batch = {
         "tokens": lay(rollout.tokens),
         "labels": lay(shifted(rollout.tokens)),
         "mask": lay(shifted(rollout.loss_mask)),
         "sampling_logprob": lay(shifted(rollout.sampling_logprobs)),
     }
+    if getattr(rollout, "routes", None) is not None:
+        batch[ROLLOUT_ROUTES] = pad_routes(rollout.routes, pad).to(device)
+    return batch
 
 
 @dataclass
@@ -102,6 +108,7 @@ class Trainer:
                                device=runtime.device())
         all_rewards = gather_cat(rewards, self._dp()[2])  # rank-major: sequence seq_pos at seq_pos
         batch, imbalance = self.sequences(rollout.batch, rewards)
+        batch = self.routing.before_passes(batch) if self.routing else batch
         batch, padding = self.no_grad_passes(batch)
         batch, expert_load = self.routing.after_passes(batch) if self.routing else (batch, {})
         batch["advantages"] = self.advantages(batch, all_rewards)
@@ -184,14 +191,15 @@ class Trainer:
         micro-batch plan serves both: the lengths do not change."""
         plan = self.batching.plan(batch)  # packing: a collective over DP
 
-        def run(pass_fn, batch, chunks, record_routes=None):
+        def run(pass_fn, batch, chunks, **routes):
             mbs = plan.split(batch)
             return plan.merge(forward_only(chunks, mbs, pass_fn, fused_lmhead=self.passes.head.fused,
-                                           record_routes=record_routes), mbs)
+                                           **routes), mbs)
 
-        # a MoE policy's old pass records each token's experts (routing replay, expert load)
-        record = self.routing.record_dtype if self.routing else None
-        batch = {**batch, **run(self.passes.old, batch, self.model_chunks, record)}
+        # a MoE policy's old pass records each token's experts (R2, expert load) or replays the
+        # sampler's (R3)
+        routes = self.routing.old_pass() if self.routing else {}
+        batch = {**batch, **run(self.passes.old, batch, self.model_chunks, **routes)}
         with self.state.anchor.model() as anchor_chunks:  # the EMA swapped in, or the teacher
             batch = {**batch, **run(self.passes.anchor, batch, anchor_chunks)}  # with the old pass's top-k ids
         return batch, plan.padding_fraction

@@ -31,7 +31,7 @@ def test_the_report_gives_each_figure_over_seeds_and_plots(tmp_path, capsys):
     assert out["expert_load_last_10"] == {"per_seed": [1.2, 1.4, 1.3], "median": 1.3, "min": 1.2, "max": 1.4}
     assert out["reward_last_10"]["median"] > out["reward_first_10"]["median"]
     assert out["moe_aux_loss_last_10"]["median"] == pytest.approx(1.0255)
-    assert out["rollout_route_agreement"] is None and "R3" in out["rollout_route_agreement_missing"]
+    assert out["rollout_route_agreement"] is None and "moe_route_agreement" in out["rollout_route_agreement_missing"]
     assert (tmp_path / "moe_seeds.png").stat().st_size > 10_000 and out["machine"]
 
 
@@ -42,3 +42,15 @@ def test_a_dense_run_or_a_missing_seed_is_one_line(tmp_path):
         moe_report.main([str(tmp_path), "--seeds", "1"])
     with pytest.raises(SystemExit, match="seed-2/metrics.jsonl does not exist"):
         moe_report.main([str(tmp_path), "--seeds", "2"])
+
+
+def test_the_route_agreement_is_reported_where_the_runs_logged_it(tmp_path, capsys):
+    for seed, agreement in {1: 0.9, 2: 1.0}.items():
+        _write(tmp_path / f"seed-{seed}", 12, 0.5, 1.2)
+        path = tmp_path / f"seed-{seed}" / "metrics.jsonl"
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        path.write_text("".join(json.dumps({**r, "moe_route_agreement": agreement}) + "\n" for r in rows))
+    moe_report.main([str(tmp_path), "--seeds", "1", "2"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["rollout_route_agreement"]["per_seed"] == [0.9, 1.0]
+    assert "rollout_route_agreement_missing" not in out

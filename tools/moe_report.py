@@ -9,8 +9,9 @@ mean |log-prob difference| between the sampler and the trainer's old-policy pass
 Writes OUT/moe_seeds.png (reward, and the expert load of each layer) and prints, as its last line,
 one JSON object with each figure's per-seed values, median, min and max, and the machine.
 
-The route agreement between rollout and training needs the sampler to record its routes (R3),
-which is not built yet: it is reported as null, with the reason.
+The route agreement between rollout and training (``moe_route_agreement``: the share of trained
+tokens the old-policy pass routed to the sampler's experts, logged wherever the sampler records its
+routes) is reported over all steps too; null, with the reason, for runs that did not log it.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from seed_report import WINDOW, distribution, figure, machine, mean, plot_band, 
 from emapg_megatron.run.metrics import read_jsonl
 
 LOAD = "moe_load_max_over_mean"
+AGREEMENT = "moe_route_agreement"
 
 
 def series(rows: list[dict], key: str) -> list[float]:
@@ -63,9 +65,19 @@ def report(out: str, seeds: list[int]) -> dict:
             "rollout_logprob_diff_mean": distribution([mean(series(rows, "rollout_logprob_diff")) for rows in runs],
                                                       digits=10),
             "routing_replay": "r2 (the old-policy pass's routes, replayed in the training passes)",
-            "rollout_route_agreement": None,
-            "rollout_route_agreement_missing": "needs the sampler to record its routes (R3), not built yet",
+            **route_agreement(runs),
             "machine": machine()}
+
+
+def route_agreement(runs: list[list[dict]]) -> dict:
+    """``moe_route_agreement`` over all steps per seed, or null with the reason."""
+    per_seed = [series(rows, AGREEMENT) for rows in runs]
+    if not all(per_seed):
+        return {"rollout_route_agreement": None,
+                "rollout_route_agreement_missing": f"a run logged no {AGREEMENT} (the sampler records "
+                                                   "routes only at PP = 1, without packing, sequence "
+                                                   "parallelism or partial rollouts)"}
+    return {"rollout_route_agreement": distribution([mean(s) for s in per_seed], digits=6)}
 
 
 def main(argv=None) -> None:

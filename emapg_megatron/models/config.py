@@ -275,10 +275,12 @@ class MoEOptions:
     """Weight of the router z-loss (logged before the weight as moe_z_loss); default none."""
     router_dtype: str | None = option(None, flag="--moe-router-dtype", choices=("fp32", "fp64"))
     """Compute the router's softmax and top-k in this dtype; default the model's."""
-    routing_replay: str = option("none", flag="--moe-routing-replay", choices=("none", "r2"))
+    routing_replay: str = option("none", flag="--moe-routing-replay", choices=("none", "r2", "r3"))
     """r2: the training passes replay the experts the old-policy pass chose for each token
-    (Megatron's RouterReplay), so an update sees the routes that gave the old log-probs; the
-    anchor pass routes itself. none: every pass routes afresh. (docs/moe.md)"""
+    (Megatron's RouterReplay), so an update sees the routes that gave the old log-probs. r3: the
+    old-policy and training passes replay the experts the built-in sampler chose while generating
+    (not with --partial-rollouts or vLLM), so they route as the rollout did. The anchor pass routes
+    itself. none: every pass routes afresh. (docs/moe.md)"""
     grouped_gemm: bool = option(False, flag="--moe-grouped-gemm")
     """Run the local experts as one grouped GEMM (Transformer Engine on a GPU) instead of one
     GEMM per expert."""

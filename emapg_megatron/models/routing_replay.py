@@ -28,6 +28,10 @@ from megatron.core.transformer.moe.router_replay import RouterReplayAction
 ROUTES = "moe_routes"
 """The batch key of the recorded routes: ``[sequences, positions, MoE layers, k]`` expert indices."""
 
+ROLLOUT_ROUTES = "moe_rollout_routes"
+"""The batch key of the routes the sampler took (``rollout.route_recording``), laid out like
+``ROUTES``: replayed under R3, compared with the old pass's otherwise."""
+
 
 def router_replays(model) -> list:
     """This stage's routers' ``RouterReplay``, in layer order (empty: replay is off)."""
@@ -56,12 +60,20 @@ def recording(model, b: int, s: int, dtype: torch.dtype):
     """Record the routes of the forward of ``[b, s]`` tokens run in the block: yields a function
     returning them, ``[b, s, layers, k]`` (None when replay is off)."""
     replays = router_replays(model)
+    with recording_routers(replays):
+        yield lambda: (layers_to_routes([r.get_recorded_indices() for r in replays], b, s, dtype)
+                       if replays else None)
+
+
+@contextlib.contextmanager
+def recording_routers(replays: list):
+    """``replays`` record each forward's top-k in the block (each forward overwrites the last:
+    read them after every forward); cleared after."""
     for r in replays:
         r.clear_indices()
         r.set_router_replay_action(RouterReplayAction.RECORD)
     try:
-        yield lambda: (layers_to_routes([r.get_recorded_indices() for r in replays], b, s, dtype)
-                       if replays else None)
+        yield
     finally:
         for r in replays:
             r.clear_router_replay_action()
@@ -86,6 +98,15 @@ def replaying(model, routes: torch.Tensor | None):
         for r in replays:
             r.clear_router_replay_action()
             r.clear_indices()
+
+
+def route_agreement(routes: torch.Tensor, reference: torch.Tensor, mask: torch.Tensor) -> tuple[int, int]:
+    """(tokens whose expert set equals ``reference``'s in every MoE layer, tokens) over the
+    positions where ``mask`` ([b, s]) is set; the order of a token's k experts does not count
+    (a replay may list them in another order than the top-k did)."""
+    sel = mask.bool()
+    a, b = (r[sel].long().sort(dim=-1).values for r in (routes, reference))  # [tokens, layers, k]
+    return int((a == b).flatten(1).all(dim=1).sum()), int(sel.sum())
 
 
 def expert_load(routes: torch.Tensor, mask: torch.Tensor, num_experts: int) -> torch.Tensor:

@@ -122,6 +122,9 @@ class SlotScheduler:
         pending = []
         for i, s, known, status in zip(rows, due, before, self.advance(due, ids, lps)):
             if status == DONE:
+                routes = self.decoder.routes_of(i)  # what the slot fed it, before another takes it
+                if routes is not None:
+                    s.trace.write(0, routes)
                 self.slots[i] = None
                 self.decoder.free(i)
                 continue

@@ -16,6 +16,9 @@ sampler's bookkeeping is written once:
   (``--inference-fixed-shape-decode``).
 
 A path returns what its decoding cost in a :class:`DecodeStats`, never leaves it on itself.
+Given a ``route_dtype`` (a MoE policy at a layout whose routes lie per sequence), every path
+records the routes of each token it feeds into the token's stream (``Stream.trace``,
+:mod:`.route_recording`).
 """
 
 from __future__ import annotations
@@ -29,9 +32,11 @@ from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
 from emapg_megatron import runtime
+from emapg_megatron.models.routing_replay import ROUTES, recording_routers, router_replays
 from emapg_megatron.rollout import kv_cache_decoding as kv
 from emapg_megatron.rollout.config import SamplerConfig
 from emapg_megatron.rollout.continuous_batching import ScheduleStats, SlotScheduler
+from emapg_megatron.rollout.route_recording import write_rows
 from emapg_megatron.rollout.static_decode import StaticDecoder
 from emapg_megatron.training.microbatches import split_microbatches
 from emapg_megatron.training.schedule import forward_only
@@ -107,14 +112,18 @@ class RecomputeDecode:
     def new_stats(self) -> DecodeStats:
         return DecodeStats(self.name)
 
-    def __init__(self, *, seq_length: int, micro_batch_size: int, pad_id: int, draw: Draw):
+    def __init__(self, *, seq_length: int, micro_batch_size: int, pad_id: int, draw: Draw,
+                 route_dtype: torch.dtype | None = None):
         self.seq_length, self.micro_batch_size, self.pad_id = seq_length, micro_batch_size, pad_id
-        self.draw = draw
+        self.draw, self.route_dtype = draw, route_dtype
 
     def run(self, chunks, streams, advance, sampling, stats, halted=None):
         active = list(streams)
         while active and not (halted is not None and halted(True)):
-            logits = self._next_token_logits(chunks, [s.known for s in active])
+            histories = [s.known for s in active]
+            logits, routes = self._next_token_logits(chunks, histories)
+            if routes is not None:  # each step routes every history whole: the last one wins
+                write_rows([s.trace for s in active], [0] * len(active), [len(h) for h in histories], routes)
             stats.rows_fed.append(len(active))
             ids, lps = self.draw(logits, active, sampling)
             status = advance(active, ids, lps)  # a new turn's history is fed whole next step
@@ -122,7 +131,8 @@ class RecomputeDecode:
         return []
 
     def _next_token_logits(self, chunks, histories: list[list[int]]):
-        """Full-vocabulary logits at each history's last position (last PP stage only)."""
+        """Full-vocabulary logits at each history's last position (last PP stage only), and with
+        ``route_dtype`` the routes of every history, ``[S, seq_length, layers, k]``."""
         def pick(logits_shard, mb):
             rows = torch.arange(logits_shard.shape[0], device=logits_shard.device)
             return {"logits": gather_from_tensor_model_parallel_region(logits_shard[rows, mb["lengths"] - 1])}
@@ -135,8 +145,11 @@ class RecomputeDecode:
         rows = torch.cat([torch.arange(S), torch.zeros(-S % size, dtype=torch.long)])  # equal micro-batches
         device = runtime.device()
         mbs = split_microbatches({"tokens": tokens[rows].to(device), "lengths": lengths[rows].to(device)}, size)
-        outs = forward_only(chunks, mbs, pick)
-        return torch.cat([o["logits"] for o in outs])[:S] if outs else None
+        outs = forward_only(chunks, mbs, pick, record_routes=self.route_dtype)
+        if not outs:
+            return None, None
+        routes = torch.cat([o[ROUTES] for o in outs])[:S] if self.route_dtype is not None else None
+        return torch.cat([o["logits"] for o in outs])[:S], routes
 
 
 class LockstepDecode:
@@ -149,9 +162,9 @@ class LockstepDecode:
         return DecodeStats(self.name)
 
     def __init__(self, *, seq_length: int, max_requests: int | None, max_forward_tokens: int | None,
-                 draw: Draw):
+                 draw: Draw, route_dtype: torch.dtype | None = None):
         self.seq_length, self.max_requests = seq_length, max_requests
-        self.max_forward_tokens, self.draw = max_forward_tokens, draw
+        self.max_forward_tokens, self.draw, self.route_dtype = max_forward_tokens, draw, route_dtype
 
     def run(self, chunks, streams, advance, sampling, stats, halted=None):
         model, restart = chunks[0], []
@@ -163,7 +176,7 @@ class LockstepDecode:
             restart += kv.decode_lockstep(model, streams[start:start + size], self.seq_length,
                                           lambda logits, due: self.draw(logits, due, sampling), advance,
                                           rows_fed=stats.rows_fed, max_forward_tokens=self.max_forward_tokens,
-                                          halted=stop)
+                                          halted=stop, route_dtype=self.route_dtype)
             stats.cache_waves += 1
         return restart
 
@@ -178,19 +191,21 @@ class FixedShapeDecode:
         return DecodeStats(self.name, cache_waves=1, schedule=ScheduleStats())
 
     def __init__(self, *, seq_length: int, vocab_size: int, max_requests: int | None,
-                 cuda_graphs: bool, schedule: str):
+                 cuda_graphs: bool, schedule: str, route_dtype: torch.dtype | None = None):
         self.seq_length, self.vocab_size, self.max_requests = seq_length, vocab_size, max_requests
-        self.cuda_graphs, self.schedule = cuda_graphs, schedule
+        self.cuda_graphs, self.schedule, self.route_dtype = cuda_graphs, schedule, route_dtype
 
     def run(self, chunks, streams, advance, sampling, stats, halted=None):
         model = chunks[0]
         slots = kv.cache_rows(model, len(streams), self.seq_length, self.max_requests)
         was_training = model.training
         model.eval()
+        # the routers record from before the graphs' capture: the captured steps copy their routes
+        replays = router_replays(model) if self.route_dtype is not None else []
         try:
-            with torch.no_grad():  # the graphs are captured here too: in eval mode, without autograd
+            with torch.no_grad(), recording_routers(replays):  # graphs too: eval mode, no autograd
                 decoder = StaticDecoder(model, slots, self.seq_length, self.vocab_size, sampling.temperature,
-                                        sampling.top_p, cuda_graphs=self.cuda_graphs)
+                                        sampling.top_p, cuda_graphs=self.cuda_graphs, route_dtype=self.route_dtype)
                 stats.graph_memory = decoder.graphs.memory_bytes if decoder.graphs is not None else 0
                 SlotScheduler(decoder, advance, self.schedule, stats.schedule).run(streams, halted)
         finally:
@@ -202,21 +217,21 @@ PATHS = (RecomputeDecode.name, LockstepDecode.name, FixedShapeDecode.name)
 
 
 def decode_path(cfg: SamplerConfig, chunks, *, seq_length: int, micro_batch_size: int, vocab_size: int,
-                pad_id: int, draw: Draw) -> DecodePath:
+                pad_id: int, draw: Draw, route_dtype: torch.dtype | None = None) -> DecodePath:
     """The path ``cfg`` (resolved: :meth:`SamplerConfig.resolved`) asks for, where the model
     allows it: without a KV cache, or under what the cached forward does not support (it says
-    why, once), the recompute reference."""
+    why, once), the recompute reference. ``route_dtype``: record a MoE model's routes in it."""
     why = kv.cache_supported(chunks) if cfg.kv_cache else None
     if why is not None:
         warnings.warn(f"KV-cached sampling is off under {why}: recomputing each step", stacklevel=2)
     if not cfg.kv_cache or why is not None:
         return RecomputeDecode(seq_length=seq_length, micro_batch_size=micro_batch_size, pad_id=pad_id,
-                               draw=draw)
+                               draw=draw, route_dtype=route_dtype)
     if cfg.fixed_shape:
         return FixedShapeDecode(seq_length=seq_length, vocab_size=vocab_size, max_requests=cfg.max_requests,
-                                cuda_graphs=graphs_on(cfg), schedule=cfg.schedule)
+                                cuda_graphs=graphs_on(cfg), schedule=cfg.schedule, route_dtype=route_dtype)
     return LockstepDecode(seq_length=seq_length, max_requests=cfg.max_requests,
-                          max_forward_tokens=cfg.forward_token_limit, draw=draw)
+                          max_forward_tokens=cfg.forward_token_limit, draw=draw, route_dtype=route_dtype)
 
 
 def graphs_on(cfg: SamplerConfig) -> bool:

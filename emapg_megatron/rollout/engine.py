@@ -31,6 +31,8 @@ class RolloutBatch:
     * ``prompt_lengths`` ``[S]``; ``responses``: the produced token ids per sequence.
     * ``stats``: what producing it cost, when the engine says (the built-in sampler's
       :class:`~emapg_megatron.rollout.decoders.DecodeStats`: ``.metrics()``, ``.forwards()``).
+    * ``routes`` ``[S, L, layers, k]``: the experts a MoE policy's sampler routed each token to
+      (:mod:`.route_recording`), None when it recorded none.
     """
 
     tokens: torch.Tensor
@@ -39,6 +41,7 @@ class RolloutBatch:
     prompt_lengths: torch.Tensor
     responses: list[list[int]]
     stats: Any = None
+    routes: torch.Tensor | None = None
 
 
 class RolloutEngine(Protocol):

@@ -26,7 +26,8 @@ def rows_of(batch: RolloutBatch, lo: int, hi: int) -> RolloutBatch:
     union's: what this rank's forwards cost)."""
     return replace(batch, tokens=batch.tokens[lo:hi], loss_mask=batch.loss_mask[lo:hi],
                    sampling_logprobs=batch.sampling_logprobs[lo:hi],
-                   prompt_lengths=batch.prompt_lengths[lo:hi], responses=batch.responses[lo:hi])
+                   prompt_lengths=batch.prompt_lengths[lo:hi], responses=batch.responses[lo:hi],
+                   routes=None if batch.routes is None else batch.routes[lo:hi])
 
 
 class ExpertGroupEngine:

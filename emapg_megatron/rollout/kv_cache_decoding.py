@@ -42,7 +42,9 @@ from megatron.core.utils import get_attr_wrapped_model, get_model_config
 from emapg_megatron import mcore_compat, runtime
 from emapg_megatron.errors import ConfigError
 from emapg_megatron.models.gpt import has_local_attention
+from emapg_megatron.models.routing_replay import recording_routers, router_replays
 from emapg_megatron.rollout.episodes import Turn
+from emapg_megatron.rollout.route_recording import RouteTrace, recorded_routes, write_rows
 
 #: Share of the free GPU memory the cache of one wave may take (the rest: activations, logits).
 CACHE_MEMORY_FRACTION = 0.8
@@ -62,6 +64,7 @@ class Stream:
     uniforms: list[float]  # the current turn's uniforms, one per token
     turn: Turn = field(default_factory=lambda: Turn([], [], ""))
     turn_index: int = 0
+    trace: RouteTrace = field(default_factory=RouteTrace)  # the routes it was fed with (MoE)
 
 
 def cache_supported(model_chunks) -> str | None:
@@ -132,9 +135,11 @@ def cache_rows(model, rows: int, max_len: int, max_requests: int | None = None) 
 class CachedForward:
     """Forwards through one Megatron static inference context (the cache) of ``max_batch``
     rows and ``max_len`` positions; returns the last position's full-vocabulary logits on the
-    last pipeline stage, None elsewhere."""
+    last pipeline stage, None elsewhere, and with ``route_dtype`` the routes a MoE model's
+    routers took for every fed token, ``[rows, width, layers, k]`` (else None)."""
 
-    def __init__(self, model, max_batch: int, max_len: int, max_forward_tokens: int | None = None):
+    def __init__(self, model, max_batch: int, max_len: int, max_forward_tokens: int | None = None,
+                 route_dtype: torch.dtype | None = None):
         cfg = get_model_config(model)
         self.max_forward_tokens = max_forward_tokens  # rows x width above it: row micro-batches
         self.context = StaticInferenceContext(max_batch, max_len)
@@ -150,8 +155,10 @@ class CachedForward:
         # supported", seen on an H100): under TE such forwards (one position per row) run whole.
         self.split_single_positions = local
         self.rows_fed: list[int] = []  # rows per forward: finished rows cost nothing
+        self.replays = router_replays(inner) if route_dtype is not None else []
+        self.route_dtype = route_dtype
 
-    def __call__(self, tokens: torch.Tensor) -> torch.Tensor | None:
+    def __call__(self, tokens: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         offset, width = self.context.sequence_len_offset, tokens.shape[1]
         device = runtime.device()
         mask = None
@@ -170,11 +177,15 @@ class CachedForward:
             return self.forward_in_row_batches(inputs)
         return self._last_logits(inputs)
 
-    def _last_logits(self, inputs: dict) -> torch.Tensor | None:
-        logits = mcore_compat.forward_whole_batch(self.wrapper, inputs)
-        return None if logits is None else logits[:, -1]
+    def _last_logits(self, inputs: dict) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """One forward: the last position's logits (last stage) and the routes it took."""
+        with recording_routers(self.replays):  # nothing to record: a no-op
+            logits = mcore_compat.forward_whole_batch(self.wrapper, inputs)
+            routes = recorded_routes(self.replays, *inputs["tokens"].shape, self.route_dtype) \
+                if self.replays else None
+        return None if logits is None else logits[:, -1], routes
 
-    def forward_in_row_batches(self, inputs: dict) -> torch.Tensor | None:
+    def forward_in_row_batches(self, inputs: dict) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """:meth:`__call__` in micro-batches of as many rows as fit in ``max_forward_tokens``
         (at least one). Each writes its rows of the cache (the context's batch offset) at the
         same positions; the pipeline stages run the micro-batches one after another."""
@@ -187,7 +198,9 @@ class CachedForward:
                     for key, value in inputs.items()}  # one mask for every row
             last.append(self._last_logits(part))
         self.context.batch_size_offset = 0  # the offset stays advanced past this forward
-        return None if last[0] is None else torch.cat(last)
+        logits, routes = zip(*last)
+        return (None if logits[0] is None else torch.cat(logits),
+                None if routes[0] is None else torch.cat(routes))
 
     def keep_rows(self, keep: list[int]) -> None:
         """Move cache rows ``keep`` (live rows, ascending) to the front, in order.
@@ -213,7 +226,8 @@ def decode_lockstep(model, streams: list[Stream], max_len: int,
                     sample: Callable[[torch.Tensor | None, list[Stream]], tuple[list[int], list[float]]],
                     advance: Callable[[list[Stream], list[int], list[float]], list[str]], *,
                     rows_fed: list[int] | None = None, max_forward_tokens: int | None = None,
-                    halted: Callable[[], bool] | None = None) -> list[Stream]:
+                    halted: Callable[[], bool] | None = None,
+                    route_dtype: torch.dtype | None = None) -> list[Stream]:
     """Continue ``streams`` in one cache until every one is done.
 
     ``sample(logits_or_None, due)`` draws the next token of each row in ``due`` (the same
@@ -222,18 +236,23 @@ def decode_lockstep(model, streams: list[Stream], max_len: int,
     and says of each row whether it continues (its ``known`` may grow by a whole observation),
     is done, or must restart in a fresh cache because its new history rewrites tokens already
     cached. Returns the latter. ``halted()`` True after a step stops the decoding there (partial
-    rollouts: the rows left keep what they sampled).
+    rollouts: the rows left keep what they sampled). With ``route_dtype`` a MoE model's routes
+    of every fed token go into its stream's ``trace`` (``rollout.route_recording``).
     """
     if not streams:
         return []
-    forward = CachedForward(model, len(streams), max_len, max_forward_tokens)
+    forward = CachedForward(model, len(streams), max_len, max_forward_tokens, route_dtype)
     was_training = model.training
     forward.wrapper.prep_model_for_inference()  # eval mode (inference attention), context reset
     active, restart, fed = list(streams), [], 0
     try:
         with torch.no_grad():
             while active and not (halted and halted()):
-                logits = forward(_next_tokens(active, fed, forward.chunks_after_prefill))
+                tokens = _next_tokens(active, fed, forward.chunks_after_prefill)
+                logits, routes = forward(tokens)
+                if routes is not None:  # lockstep: every row fed its tokens at the same offset
+                    write_rows([s.trace for s in active], [fed] * len(active), [tokens.shape[1]] * len(active),
+                               routes)
                 fed = forward.context.sequence_len_offset
                 status = _advance_due(active, fed, logits, sample, advance)
                 restart += [s for s, st in zip(active, status) if st == RESTART]

@@ -11,6 +11,11 @@ Randomness is one uniform number per (sequence, turn, token), drawn from a gener
 (seed, step, turn, the sequence's place in the *global* batch), so the same global batch
 samples the same tokens at any TP/PP/DP layout and on every path: the basis of the
 layout-equivalence tests.
+
+Given a ``route_dtype`` (a MoE policy whose routes the trainer can lay per sequence), a generate
+(single-turn or multi-turn episodes) also returns the experts every token was routed to
+(``RolloutBatch.routes``, :mod:`.route_recording`): R3 replays them, and the trainer compares them
+with its own.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from emapg_megatron.rollout.engine import (
     build_rollout_batch,
 )
 from emapg_megatron.rollout.episodes import Turn, answer, pack_episodes, start_episodes
+from emapg_megatron.rollout.route_recording import batch_routes
 from emapg_megatron.rollout.sampling import sample_from_logits
 
 
@@ -45,8 +51,10 @@ class Continued:
 
 class MegatronSampler:
     def __init__(self, model_chunks, cfg: SamplerConfig, *, vocab_size: int, eos_id: int | None,
-                 pad_id: int, seq_length: int, micro_batch_size: int, seed: int, tokenizer=None):
-        """``cfg`` resolved (:meth:`SamplerConfig.resolved`): the decode path is chosen here, once."""
+                 pad_id: int, seq_length: int, micro_batch_size: int, seed: int, tokenizer=None,
+                 route_dtype=None):
+        """``cfg`` resolved (:meth:`SamplerConfig.resolved`): the decode path is chosen here, once.
+        ``route_dtype``: record a MoE policy's routes in that dtype (None: none)."""
         self.model_chunks = model_chunks
         self.vocab_size = vocab_size
         self.eos_id = eos_id
@@ -55,7 +63,8 @@ class MegatronSampler:
         self.seed = seed
         self.tokenizer = tokenizer  # decodes turns for stop strings and environments
         self.decoder = decode_path(cfg, model_chunks, seq_length=seq_length, micro_batch_size=micro_batch_size,
-                                   vocab_size=vocab_size, pad_id=pad_id, draw=self._draw)
+                                   vocab_size=vocab_size, pad_id=pad_id, draw=self._draw,
+                                   route_dtype=route_dtype)
 
     def update_weights(self, model_chunks) -> None:
         self.model_chunks = model_chunks  # same live model: nothing to copy
@@ -141,17 +150,26 @@ class MegatronSampler:
         global batch (keys its randomness). The batch's ``stats`` say what decoding cost."""
         S = len(prompts) * n
         rows = list(seq_index) if seq_index is not None else list(range(S))
-        turns, stats = self.decode_turns([prompts[s // n] for s in range(S)], [max_new_tokens] * S, rows,
-                                         Sampling(temperature, top_p), rng_step=rng_step, stop=stop)
+        streams, stats = self._decode([prompts[s // n] for s in range(S)], [max_new_tokens] * S, rows,
+                                      Sampling(temperature, top_p), rng_step=rng_step, stop=stop)
+        turns = [s.turn for s in streams]
         batch = build_rollout_batch(prompts, [t.token_ids for t in turns], [t.logprobs for t in turns],
                                     self.seq_length, self.pad_id, n)
         batch.stats = stats
+        # a sequence's history is its batch row from position 0: its trace lies where its tokens do
+        batch.routes = batch_routes([s.trace for s in streams], batch.tokens.shape[1])
         return batch
 
     def decode_turns(self, histories, budgets: list[int], rows: list[int], sampling: Sampling, *,
                      rng_step: int = 0, stop: Sequence[str] | None = None) -> tuple[list[Turn], DecodeStats]:
         """One turn per history, each up to its own budget, its uniforms keyed by its global index
         in ``rows``: the single-turn decoding :meth:`generate` runs; and what it cost."""
+        streams, stats = self._decode(histories, budgets, rows, sampling, rng_step=rng_step, stop=stop)
+        return [s.turn for s in streams], stats
+
+    def _decode(self, histories, budgets: list[int], rows: list[int], sampling: Sampling, *,
+                rng_step: int = 0, stop: Sequence[str] | None = None) -> tuple[list[kv.Stream], DecodeStats]:
+        """:meth:`decode_turns`' streams (each with its turn closed and its route trace)."""
         self._check_room(histories, budgets)
         streams = [kv.Stream(s, list(h), b, self._uniforms(rng_step, 0, row, b))
                    for s, (h, b, row) in enumerate(zip(histories, budgets, rows))]
@@ -161,7 +179,9 @@ class MegatronSampler:
 
         stats = self.decoder.new_stats()
         self._run([s for s in streams if s.budget > 0], advance, sampling, stats)
-        return [self._close(s.turn) for s in streams], stats
+        for s in streams:
+            self._close(s.turn)
+        return streams, stats
 
     def continue_sequences(self, seqs, *, temperature: float, top_p: float, max_new_tokens: int,
                            stop: Sequence[str] | None = None, enough=None, agree=None) -> Continued:
@@ -236,11 +256,14 @@ class MegatronSampler:
             return [kv.CONTINUE if not end or next_turn(s, s.turn_index + 1) else kv.DONE
                     for s, end in zip(due, ended)]
 
-        streams = [next_turn(kv.Stream(s, [], 0, []), 0) for s in range(len(episodes))]
-        streams = [s for s in streams if s is not None]
+        every = [kv.Stream(s, [], 0, []) for s in range(len(episodes))]
+        streams = [s for s in (next_turn(s, 0) for s in every) if s is not None]
         stats, sampling = self.decoder.new_stats(), Sampling(temperature, top_p)
         while streams:  # a stream whose environment rewrote cached tokens restarts in a new cache
             streams = self._run(streams, advance, sampling, stats)
         batch = pack_episodes(episodes, n, self.seq_length, self.pad_id)
         batch.stats = stats
+        # an episode's row is its history (prompt, turns, observations) from position 0, as fed; a
+        # rewritten history was refed, so its trace holds the routes of the tokens the row keeps
+        batch.routes = batch_routes([s.trace for s in every], batch.tokens.shape[1])
         return batch, episodes

@@ -39,6 +39,8 @@ from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_e
 from megatron.core.utils import get_attr_wrapped_model, get_model_config
 
 from emapg_megatron import runtime
+from emapg_megatron.models.routing_replay import layers_to_routes, router_replays
+from emapg_megatron.rollout.route_recording import fill_routes
 from emapg_megatron.rollout.sampling import sample_from_logits
 
 UNUSED_UNIFORM = 0.5  # what an empty slot of a bucket samples with (its token is never read)
@@ -106,10 +108,15 @@ class StaticDecoder:
     (tokens cached), ``live`` (1 where a sequence occupies the slot) and ``uniforms``. The host
     keeps ``fed``, its copy of ``lengths``. ``extend`` feeds a slot's history, ``step`` runs one
     decode step over a bucket; both sample and return host ids and log-probs (every rank).
+
+    With ``route_dtype`` (a MoE model whose routers record: ``routing_replay.recording_routers``
+    around the decoder's life, its graph capture included) every forward also writes the routes
+    of each fed token into ``route_cache`` ``[slots, max_len, layers, k]`` at the token's slot and
+    position, on the device (inside the graphs too); :meth:`routes_of` reads a slot's back.
     """
 
     def __init__(self, model, slots: int, max_len: int, vocab_size: int, temperature: float,
-                 top_p: float, *, cuda_graphs: bool = False):
+                 top_p: float, *, cuda_graphs: bool = False, route_dtype: torch.dtype | None = None):
         self.gpt = get_attr_wrapped_model(model, "decoder", return_model_obj=True)
         self.cfg = get_model_config(model)
         self.layers = list(self.gpt.decoder.layers)
@@ -133,6 +140,9 @@ class StaticDecoder:
         self.uniforms = torch.full((slots,), UNUSED_UNIFORM, device=device)
         self.out = torch.zeros(2, slots, dtype=torch.float64, device=device)  # ids, log-probs
         self.fed = [0] * slots
+        self.replays = router_replays(model) if route_dtype is not None else []
+        self.route_cache = fill_routes(max_len, len(self.replays), self.cfg.moe_router_topk, route_dtype) \
+            .expand(slots, -1, -1, -1).to(device).contiguous() if self.replays else None
         self.graphs = DecodeGraphs(self._decode_step, self.buckets) if cuda_graphs else None
 
     # --- the forward -----------------------------------------------------------------------
@@ -170,6 +180,8 @@ class StaticDecoder:
         rope, mask = rope_at(self.rope, positions), length_mask(positions, span)
         for index, layer in enumerate(self.layers):
             h = self._layer(index, layer, h, rows, positions, rope, mask)
+        if self.route_cache is not None:
+            self._store_routes(rows, positions)
         if not self.gpt.post_process:
             send_to_next_pipeline_rank(h)
             return None
@@ -181,6 +193,22 @@ class StaticDecoder:
             else None
         logits, _ = self.gpt.output_layer(h, weight=weight, runtime_gather_output=True)
         return logits[0, :, :self.vocab_size]
+
+    def _store_routes(self, rows, positions: torch.Tensor) -> None:
+        """The routes the forward just took, at each fed token's slot and position (a pad
+        query's land past its row's length, where nothing reads them)."""
+        b, s = positions.shape
+        routes = layers_to_routes([r.get_recorded_indices() for r in self.replays], b, s,
+                                  self.route_cache.dtype)
+        if isinstance(rows, slice):
+            index = torch.arange(b, device=positions.device).unsqueeze(1)
+            self.route_cache[rows][index, positions] = routes
+        else:
+            self.route_cache[rows.unsqueeze(1), positions] = routes
+
+    def routes_of(self, slot: int) -> torch.Tensor | None:
+        """``[fed, layers, k]``: the routes of the slot's cached tokens (None: not recording)."""
+        return None if self.route_cache is None else self.route_cache[slot, :self.fed[slot]].cpu()
 
     def _sample(self, logits, uniforms: torch.Tensor) -> torch.Tensor:
         """``[2, b]`` float64 (ids, log-probs; exact for both) on every rank: sampled on the last

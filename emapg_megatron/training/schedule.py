@@ -87,10 +87,12 @@ def _run(model_chunks, microbatches: list[dict], forward_step, *, forward_only: 
 
 def forward_only(model_chunks, microbatches: list[dict],
                  compute: Callable[[torch.Tensor, dict], dict], *, fused_lmhead: bool = False,
-                 record_routes: torch.dtype | None = None) -> list[dict]:
+                 record_routes: torch.dtype | None = None, replay_routes: bool = False) -> list[dict]:
     """``compute(head_input, mb)`` per micro-batch on the last stage (no grad): the logits shard,
     or with ``fused_lmhead`` the ``HiddenAndWeight``. ``record_routes``: also the experts a MoE
     policy's routers chose for each token, as ``ROUTES`` in that dtype (``models.routing_replay``).
+    ``replay_routes``: a micro-batch carrying ``ROUTES`` is routed by them (R3's old pass); else
+    a forward-only pass routes itself, whatever the batch carries (the anchor pass).
 
     Returns the list of ``compute`` outputs on the last pipeline stage, ``[]`` elsewhere.
     """
@@ -98,7 +100,8 @@ def forward_only(model_chunks, microbatches: list[dict],
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
         if record_routes is None:
-            out, head_input = _output(model, mb, fused_lmhead)
+            with replaying(model, mb.get(ROUTES) if replay_routes else None):
+                out, head_input = _output(model, mb, fused_lmhead)
             routes = None
         else:
             with recording(model, *mb["tokens"].shape, record_routes) as recorded:

@@ -121,6 +121,9 @@ class FakeDecoder:
     def free(self, slot):
         pass
 
+    def routes_of(self, slot):
+        return None  # a dense model: nothing recorded
+
 
 def _run(schedule, budgets, slots):
     streams = [Stream(k, [5], b, [0.5] * b) for k, b in enumerate(budgets)]

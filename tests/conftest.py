@@ -42,9 +42,10 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "mcore: the test module reaches megatron-core through its imports "
                                        "(set by tests/mcore_marker.py, not by hand); tests/run.sh runs only "
                                        "these on the second megatron-core release")
-    config.addinivalue_line("markers", "one_suite(name): a real launch that tests our own process handling "
-                                       "(signals, the launcher, locks, exit codes), which does not depend on "
-                                       "megatron-core's version: tests/run.sh runs it in suite `name` only "
+    config.addinivalue_line("markers", "one_suite(name): real launches that test our own process handling "
+                                       "(signals, the launcher, locks, exit codes) or scripts (the examples' "
+                                       "dry runs, the GPU rehearsal), which do not depend on megatron-core's "
+                                       "version: tests/run.sh runs them in suite `name` only "
                                        "(the launches are a third of each suite's time); plain pytest runs it")
 
 

@@ -13,9 +13,10 @@
 # cores (much of a suite is one busy process): the first suite's output as it runs, the other's
 # when it ends; SUITES_PARALLEL=0 runs them one after the other. Each suite says how many tests
 # it selected and how long it took.
-# The real launches that test our own process handling (signals, the launcher, locks: marked
-# one_suite(NAME)) do not depend on megatron-core's version and are a third of a suite's time: each
-# runs in the suite it names only (EMAPG_SUITE tells conftest.py which suite is running).
+# The real launches that test our own process handling (signals, the launcher, locks) and scripts
+# (the examples' dry runs, the GPU rehearsal), marked one_suite(NAME), do not depend on
+# megatron-core's version and are a third of a suite's time: each runs in the suite it names only
+# (EMAPG_SUITE tells conftest.py which suite is running).
 # Arguments go to pytest in each suite: paths among them replace the default (`tests`, pytest.ini's
 # testpaths), options pass through (`bash tests/run.sh tests/kl -q`; a -m EXPR is joined with mcore
 # in the mcore019 suite). SUITES="mcore016" (or "mcore019") runs one. Both run even when the first

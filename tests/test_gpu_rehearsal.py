@@ -13,6 +13,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.one_suite("mcore016")
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -11,6 +11,7 @@ sampling its union). The recording's bookkeeping is tested without a model.
 
 import pytest
 import torch
+from test_static_decode import FakeDecoder
 
 from emapg_megatron.models.routing_replay import route_agreement
 from emapg_megatron.multiprocess import run_distributed
@@ -67,24 +68,9 @@ def test_forwards_assemble_into_batch_rows_with_unrouted_positions_filled():
     assert t.routes().shape == (2, layers, k)
 
 
-class _SlotDecoder:
-    """A fixed-shape decoder without a model: slot ``i``'s routes at position ``p`` are ``10 * i + p``."""
-
-    def __init__(self, slots):
-        self.slots, self.fed = slots, [0] * slots
-
-    def extend(self, slots, histories, starts, uniforms):
-        for slot, tokens, start in zip(slots, histories, starts):
-            self.fed[slot] = start + len(tokens)
-        return [1] * len(slots), [0.0] * len(slots)
-
-    def step(self, live, uniforms):
-        for slot in live:
-            self.fed[slot] += 1
-        return [1] * len(live), [0.0] * len(live)
-
-    def free(self, slot):
-        pass
+class _SlotDecoder(FakeDecoder):
+    """test_static_decode's model-free decoder, recording: slot ``i``'s routes at position ``p`` are
+    ``10 * i + p``."""
 
     def routes_of(self, slot):
         return (10 * slot + torch.arange(self.fed[slot])).view(-1, 1, 1).to(torch.uint8)

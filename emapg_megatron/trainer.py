@@ -251,12 +251,10 @@ class Trainer:
         # "skipped": no update applied, so the step changed nothing; a step with some refused
         # updates shows them in "updates_refused" (its applied updates are health-checked).
         return {**totals, "skipped": float(applied == 0), "updates_applied": applied,
-                "updates_refused": refused, "router": self.router_losses(forwards),
+                "updates_refused": refused,
+                # a MoE policy's router losses of this step's training forwards
+                "router": self.routing.router_losses(forwards) if self.routing else {},
                 "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else None}
-
-    def router_losses(self, forwards: int) -> dict:
-        """A MoE policy's router losses of this step's training forwards (none for a dense one)."""
-        return self.routing.router_losses(forwards) if self.routing else {}
 
     def stability(self, iteration: int, batch: dict) -> dict:
         """Paper eq. 28: margin 1 + eta - lr * beta * tr(F) from per-sequence gradient norms."""

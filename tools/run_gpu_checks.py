@@ -100,14 +100,20 @@ class Stage:
         self.kind = self.kind or self.name
 
 
+def env_stage(python: str, **extra) -> Stage:
+    """The versions of everything a GPU run's figures depend on (every plan's first stage after
+    the install)."""
+    argv = [python, "-c", ENV_PROBE, "{out}/env.json"]
+    return Stage("env", "versions of torch, CUDA, the GPU, Megatron-Core, TE, vLLM", 30, argv, "env.json", **extra)
+
+
 def stages(python: str = sys.executable, pytest_timeout_plugin: bool = True) -> list[Stage]:
     test_argv = [python, "-m", "pytest", "-m", "gpu", "tests/gpu", "-q", "-rs", "-p", "no:cacheprovider",
                  "--junitxml", "{out}/pytest.xml", "-o", "junit_family=xunit2"]
     if pytest_timeout_plugin:
         test_argv += ["--timeout", "240"]  # one hung test must not eat the benchmarks' time
     return [
-        Stage("env", "versions of torch, CUDA, the GPU, Megatron-Core, TE, vLLM", 30,
-              [python, "-c", ENV_PROBE, "{out}/env.json"], "env.json"),
+        env_stage(python),
         Stage("tests", "pytest -m gpu tests/gpu (>= 8 tests)", 200, test_argv, "pytest.json"),
         Stage("bench_topk_kl", "fused Top-k KL (from logits and from hidden states) vs Megatron CE, "
               "bf16, T=16384, V=151936, H=896", 90,
@@ -156,9 +162,7 @@ def phase_stages(phase: str, python: str = sys.executable, pytest_timeout_plugin
     group = PHASE_GROUP[phase]
     install = Stage("install", f"kit.py install --only {group}: the carried {group} packages into {SITE}", 120,
                     [python, KIT, "install", "--only", group, "--target", SITE], "install.json")
-    env = Stage("env", "versions of torch, CUDA, the GPU, Megatron-Core, TE, vLLM", 30,
-                [python, "-c", ENV_PROBE, "{out}/env.json"], "env.json", needs=group,
-                rehearse=[python, "-c", ENV_PROBE, "{out}/env.json"])
+    env = env_stage(python, needs=group, rehearse=[python, "-c", ENV_PROBE, "{out}/env.json"])
     if phase == "mcore":
         decode = [python, "tools/bench_rollout.py", "--device", "cuda", *DECODE_ARGS, "--out", "{out}/bench_decode.json"]
         return [install, env,

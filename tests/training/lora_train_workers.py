@@ -52,6 +52,7 @@ def lora_state(argv: list, steps: int) -> dict:
         base = _local_logits(chunks, vocab)
     with anchor.model() as anchor_chunks:
         anchored = _local_logits(anchor_chunks, vocab)
+    out["base_logits"] = base
     out["start_equal_base"] = policy is None or torch.equal(policy, base)
     out["start_equal_anchor"] = policy is None or torch.equal(policy, anchored)
     before = {n: p.detach().float().clone() for n, p in gpt.named_parameters()}
@@ -65,3 +66,18 @@ def lora_state(argv: list, steps: int) -> dict:
     out["base_after_equal_base"] = policy is None or torch.equal(base, base_after)
     out["policy_moved_from_base"] = policy is None or not torch.equal(policy, base_after)
     return out
+
+
+def pretrained_start(ckpt: str, model_argv: list, argv: list, lora: list) -> dict:
+    """Write a model-only checkpoint of ``model_argv``'s model, then start the run ``argv
+    --pretrained-checkpoint ckpt`` without and with ``lora``: the starting logits of the first,
+    and what :func:`lora_state` (no step) says of the second."""
+    from trainer_workers import save_initial_weights
+
+    from emapg_megatron import build
+
+    save_initial_weights(ckpt, model_argv)
+    argv = [*argv, "--pretrained-checkpoint", ckpt]
+    inputs = build.prepare(argv)
+    full = _local_logits(build.build_trainer(inputs).model_chunks, inputs.model_cfg.vocab_size)
+    return {"full": full, **lora_state([*argv, *lora], 0)}

@@ -10,7 +10,8 @@ import contextlib
 import io
 
 import pytest
-from lora_train_workers import lora_state
+import torch
+from lora_train_workers import lora_state, pretrained_start
 from test_equivalence_matrix import BASE
 from trainer_launch import COMPARED
 
@@ -98,6 +99,14 @@ def test_eta_one_anchor_is_the_base_model_without_a_copy(hf_models):
     assert out["anchor"] == "BaseModelAnchor" and out["ema_numel"] == 0
     assert out["start_equal_anchor"] and out["metrics"][0]["kl"] == 0.0
     assert out["metrics"][1]["kl"] != 0.0 and out["base_unchanged"]  # the anchor stays the base
+
+
+def test_pretrained_checkpoint_loads_the_base_and_keeps_the_adapters(tmp_path):
+    """--pretrained-checkpoint holds no adapter: the base weights load, the adapters keep their
+    init (B = 0), so the run starts at the checkpoint's model."""
+    model = ["--preset", "tiny-cpu", "--tensor-model-parallel-size", "1", "--seed", "7"]  # not the run's init
+    out = run_distributed(pretrained_start, 1, args=(str(tmp_path / "init"), model, BASE, LORA), timeout=300)[0]
+    assert torch.equal(out["base_logits"], out["full"]) and out["start_equal_base"]
 
 
 def _dry_run(*extra):

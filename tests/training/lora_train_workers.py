@@ -15,6 +15,27 @@ def _local_logits(chunks, vocab: int, seq: int = 8):
         return chunks[0](tokens, pos, None).float().clone() if gpt.post_process else None
 
 
+def counted_bytes(chunks, optimizer, anchor) -> dict:
+    """Bytes of the tensors this rank allocated, by part (tools/memory_plan.py's names): weights,
+    DDP's gradient buffers, fp32 main params that are not the weights themselves, Adam's state,
+    the EMA."""
+    from emapg_megatron.anchor.layout import inner_optimizers
+
+    def nbytes(t):
+        return t.numel() * t.element_size()
+
+    weights = {p.untyped_storage().data_ptr() for c in chunks for p in c.parameters()}
+    opts = inner_optimizers(optimizer)
+    mains = [p for opt in opts for g in opt.param_groups for p in g["params"]]
+    states = [t for opt in opts for st in getattr(opt, "optimizer", opt).state.values()
+              for t in st.values() if torch.is_tensor(t) and t.numel() > 1]
+    return {"weights": sum(nbytes(p) for c in chunks for p in c.parameters()),
+            "grads": sum(nbytes(b.grad_data) for c in chunks for buf in c.buffers for b in buf.buckets),
+            "main_params": sum(nbytes(p) for p in mains if p.untyped_storage().data_ptr() not in weights),
+            "adam": sum(nbytes(t) for t in states),
+            "ema_device": sum(nbytes(s.data) for s in getattr(anchor, "stores", []))}
+
+
 def lora_state(argv: list, steps: int) -> dict:
     """Build the run, report what DDP, the optimizer and the anchor hold, check the passes at the
     start (adapters on, off, the anchor's model), then take ``steps`` trainer steps."""
@@ -63,6 +84,7 @@ def lora_state(argv: list, steps: int) -> dict:
     policy = _local_logits(chunks, vocab)
     with adapters_off(chunks):
         base_after = _local_logits(chunks, vocab)
+    out["model_cfg"], out["counted"] = inputs.model_cfg.to_dict(), counted_bytes(chunks, optimizer, anchor)
     out["base_after_equal_base"] = policy is None or torch.equal(base, base_after)
     out["policy_moved_from_base"] = policy is None or not torch.equal(policy, base_after)
     return out

@@ -8,6 +8,9 @@ in one line before any process group."""
 
 import contextlib
 import io
+import json
+import os
+import sys
 
 import pytest
 import torch
@@ -16,7 +19,13 @@ from test_equivalence_matrix import BASE
 from trainer_launch import COMPARED
 
 from emapg_megatron import train
+from emapg_megatron.models.config import ModelConfig
 from emapg_megatron.multiprocess import run_distributed
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                "tools"))
+import lora_memory  # noqa: E402
+import memory_plan  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -90,6 +99,28 @@ def test_b_zero_starts_at_the_base_model(one_rank):
     for out in one_rank.values():
         assert out["start_equal_base"] and out["start_equal_anchor"]  # torch.equal of the logits
         assert out["metrics"][0]["kl"] == 0.0
+
+
+def test_the_memory_arithmetic_is_what_a_lora_run_allocates(one_rank):
+    """tools/memory_plan.py's LoRA bytes (fp32 model, one rank) against the tensors counted after
+    three steps: weights (base + adapters), gradient buffers, extra main params (none: fp32), Adam's
+    moments and the EMA, each of the adapters only."""
+    for out in one_rank.values():
+        cfg = ModelConfig.from_dict(out["model_cfg"])
+        plan = memory_plan.memory(cfg, memory_plan.Layout(bf16=False), lora_rank=4)
+        assert {k: plan[k] for k in out["counted"]} == out["counted"]
+        assert plan["trainable_per_rank"] == out["adapter_numel"]
+    rows = {r["model"]: r for r in json.loads(_stdout(lora_memory.main, []))}
+    assert rows["qwen2.5-0.5b"]["adapter_params_per_rank"] == 7766016  # peft's 8.8 M less the shared A's
+    for row in rows.values():
+        assert row["lora"]["total_device"] < row["full"]["total_device"] / 5
+
+
+def _stdout(fn, *args):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        fn(*args)
+    return out.getvalue()
 
 
 def test_eta_one_anchor_is_the_base_model_without_a_copy(hf_models):

@@ -25,6 +25,7 @@ from transformers import AutoTokenizer
 from emapg_megatron import arguments, runtime
 from emapg_megatron.algo.config import StepConfig
 from emapg_megatron.anchor import EmaAnchor, StabilityMonitor
+from emapg_megatron.anchor.frozen_base import FrozenBaseAnchor
 from emapg_megatron.anchor.teacher import (
     Teacher,
     check_same_tokenizer,
@@ -48,6 +49,7 @@ from emapg_megatron.checkpoint.hf_config import (
 from emapg_megatron.checkpoint.hf_io import TOKENIZER_VOCAB_FILES, has_tokenizer
 from emapg_megatron.checkpoint.safe_load import load_verified
 from emapg_megatron.errors import ConfigError
+from emapg_megatron.lora.apply import adapters_off
 from emapg_megatron.models.config import ModelConfig
 from emapg_megatron.models.gpt import has_local_attention, unwrap, validate_precision
 from emapg_megatron.parallel.output_heads import output_head
@@ -241,10 +243,8 @@ def build_anchor(inputs: RunInputs, chunks, optimizer):
     LoRA: of its adapters, the only trainable parameters; at --ema-eta 1 the base model itself,
     the adapters switched off, with no copy)."""
     cfg = inputs.config
-    if inputs.teacher_cfg is None and cfg.lora.enabled and cfg.ema.eta >= 1.0:
-        from emapg_megatron.lora.anchor import BaseModelAnchor
-
-        return BaseModelAnchor(chunks)
+    if inputs.teacher_cfg is None and cfg.lora.enabled and cfg.ema.eta >= 1.0:  # B = 0 at the start
+        return FrozenBaseAnchor(chunks, adapters_off)
     if inputs.teacher_cfg is None:
         return EmaAnchor(chunks, optimizer, cfg.ema)
     t = inputs.teacher_cfg

@@ -127,7 +127,7 @@ def test_eta_one_anchor_is_the_base_model_without_a_copy(hf_models):
     base = [a for a in argv(hf_models["qwen2-tied-gqa-bias"]) if a != "0.5"]
     base[base.index("--ema-eta") + 1:base.index("--ema-eta") + 1] = ["1"]
     out = run_distributed(lora_state, 1, args=(base, 2), timeout=300)[0]
-    assert out["anchor"] == "BaseModelAnchor" and out["ema_numel"] == 0
+    assert out["anchor"] == "FrozenBaseAnchor" and out["ema_numel"] == 0
     assert out["start_equal_anchor"] and out["metrics"][0]["kl"] == 0.0
     assert out["metrics"][1]["kl"] != 0.0 and out["base_unchanged"]  # the anchor stays the base
 

@@ -103,3 +103,8 @@ def pretrained_start(ckpt: str, model_argv: list, argv: list, lora: list) -> dic
     inputs = build.prepare(argv)
     full = _local_logits(build.build_trainer(inputs).model_chunks, inputs.model_cfg.vocab_size)
     return {"full": full, **lora_state([*argv, *lora], 0)}
+
+
+def lora_states(argvs: list, steps: int) -> list:
+    """:func:`lora_state` of each run in turn, in one process."""
+    return [lora_state(argv, steps) for argv in argvs]

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 import torch
-from lora_train_workers import lora_state, pretrained_start
+from lora_train_workers import lora_state, lora_states, pretrained_start
 from test_equivalence_matrix import BASE
 from trainer_launch import COMPARED
 
@@ -123,13 +123,45 @@ def _stdout(fn, *args):
     return out.getvalue()
 
 
-def test_eta_one_anchor_is_the_base_model_without_a_copy(hf_models):
-    base = [a for a in argv(hf_models["qwen2-tied-gqa-bias"]) if a != "0.5"]
-    base[base.index("--ema-eta") + 1:base.index("--ema-eta") + 1] = ["1"]
-    out = run_distributed(lora_state, 1, args=(base, 2), timeout=300)[0]
-    assert out["anchor"] == "FrozenBaseAnchor" and out["ema_numel"] == 0
+def _without_ema(flags: list) -> list:
+    """``flags`` less the --ema-* ones and their values (a teacher replaces the EMA)."""
+    out = []
+    for i, a in enumerate(flags):
+        if not a.startswith("--ema-") and not (i and flags[i - 1].startswith("--ema-")):
+            out.append(a)
+    return out
+
+
+@pytest.fixture(scope="module")
+def variants(hf_models):
+    """Two-step one-rank LoRA runs of the Qwen2.5 model: at --ema-eta 1, in bf16, and distilling
+    from a full teacher (the base model itself)."""
+    flags = argv(hf_models["qwen2-tied-gqa-bias"])
+    eta = flags.index("--ema-eta") + 1
+    runs = {"eta1": [*flags[:eta], "1", *flags[eta + 1:]], "bf16": [*flags, "--bf16"],
+            "teacher": [*_without_ema(flags), "--teacher-load-hf", hf_models["qwen2-tied-gqa-bias"]]}
+    return dict(zip(runs, run_distributed(lora_states, 1, args=(list(runs.values()), 2), timeout=300)[0]))
+
+
+def test_eta_one_anchor_is_the_base_model_without_a_copy(variants):
+    out = variants["eta1"]
+    assert out["anchor"] == "FrozenBaseAnchor" and out["ema_numel"] == 0 and out["counted"]["ema_device"] == 0
     assert out["start_equal_anchor"] and out["metrics"][0]["kl"] == 0.0
     assert out["metrics"][1]["kl"] != 0.0 and out["base_unchanged"]  # the anchor stays the base
+
+
+def test_bf16_keeps_fp32_main_params_of_the_adapters_only(variants):
+    out = variants["bf16"]
+    plan = memory_plan.memory(ModelConfig.from_dict(out["model_cfg"]), memory_plan.Layout(), lora_rank=4)
+    assert {k: plan[k] for k in out["counted"]} == out["counted"] and out["counted"]["main_params"] > 0
+    assert out["base_unchanged"] and out["start_equal_base"]
+
+
+def test_a_lora_student_distils_from_a_full_teacher(variants):
+    out = variants["teacher"]
+    assert out["anchor"] == "Teacher" and out["ema_numel"] == 0
+    assert out["start_equal_anchor"] and out["metrics"][0]["kl"] == 0.0  # the teacher is the base here
+    assert out["metrics"][1]["kl"] != 0.0 and out["base_unchanged"] and out["moved"] == out["adapter_names"]
 
 
 def test_pretrained_checkpoint_loads_the_base_and_keeps_the_adapters(tmp_path):

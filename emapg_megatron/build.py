@@ -203,6 +203,11 @@ def build_trainer(inputs: RunInputs) -> Trainer:
                                                   sequence_parallel=cfg.parallel.sequence_parallel, moe=cfg.moe,
                                                   lora=cfg.lora, seed=cfg.loop.seed)
     load_initial_weights(chunks, optimizer, cfg, model_cfg)
+    if cfg.lora.enabled:
+        trainable = sum(p.numel() for p in chunks[0].parameters() if p.requires_grad)
+        frozen = sum(p.numel() for p in chunks[0].parameters() if not p.requires_grad)
+        log0(f"LoRA rank {cfg.lora.rank}: {trainable:,} adapter parameters train, {frozen:,} base "
+             "parameters frozen (rank 0)")
     scheduler = lr_scheduler(optimizer, cfg.optim, cfg.loop.train_iters, cfg.step.updates_per_step)
     if cfg.step.sequence_packing:
         warn_packed_attention_cost(chunks[0], model_cfg, cfg.step)

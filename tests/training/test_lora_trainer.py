@@ -2,7 +2,7 @@
 (DDP's gradient buffers, the optimizer's main params and the EMA hold them alone), the base weights
 do not move, the anchor averages the adapters (at --ema-eta 1 it is the base model, with no copy),
 B = 0 makes the first step's policy the base model exactly, TP = 2 with sequence parallelism,
-DP = 2 with the distributed optimizer and PP = 2 train like one rank on the tiny Qwen2.5 (tied,
+DP = 2 with the distributed optimizer (and the EMA sharded over DP) and PP = 2 train like one rank on the tiny Qwen2.5 (tied,
 GQA with QKV bias) and Qwen3 (qk-layernorm) models, and each unsupported combination is refused
 in one line before any process group."""
 
@@ -35,7 +35,7 @@ STEPS = 3
 LORA = ["--lora-rank", "4", "--lora-alpha", "8", "--global-batch-size", "16"]
 LAYOUTS = {  # arch, nproc, TP, PP, flags
     "qwen2-tp2-sp": ("qwen2-tied-gqa-bias", 2, 2, 1, ["--sequence-parallel"]),
-    "qwen3-dp2-distopt": ("qwen3-tied-qknorm", 2, 1, 1, ["--use-distributed-optimizer"]),
+    "qwen3-dp2-distopt": ("qwen3-tied-qknorm", 2, 1, 1, ["--use-distributed-optimizer", "--ema-shard-over-dp"]),
     "qwen3-pp2": ("qwen3-tied-qknorm", 2, 1, 2, []),
 }
 

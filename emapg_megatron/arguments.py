@@ -206,11 +206,7 @@ def _validate_lora(cfg: RunConfig) -> None:
              "needs Megatron's local linears (Transformer Engine's take no adapter yet): use "
              "--transformer-impl local or auto"),
             (cfg.sampler.engine == "vllm", "does not support --rollout-engine vllm yet (the weight sync "
-                                           "has no adapter mapping): use the built-in sampler"),
-            (cfg.checkpoint.save is not None, "cannot --save yet (adapter checkpoints are not written): "
-                                              "drop --save"),
-            (cfg.checkpoint.load is not None, "cannot --load a run yet (adapter checkpoints are not "
-                                              "read): drop --load")):
+                                           "has no adapter mapping): use the built-in sampler")):
         _check(not refused, f"{rank} {why}")
 
 

@@ -359,6 +359,8 @@ def model_metadata(inputs: RunInputs) -> dict | None:
     meta = checkpoint_metadata(inputs.model_cfg, inputs.architecture, dtype,
                                tp=cfg.parallel.tensor_model_parallel_size,
                                pp=cfg.parallel.pipeline_model_parallel_size, hf_config=inputs.hf_config)
+    if cfg.lora.enabled:  # its consumers other than --load refuse it (checkpoint.convert.checked_checkpoint)
+        meta["lora"] = {"rank": cfg.lora.rank, "alpha": cfg.lora.alpha, "target_modules": list(cfg.lora.targets())}
     return {**meta, "hf_dir": os.path.abspath(hf_dir) if hf_dir else None}
 
 

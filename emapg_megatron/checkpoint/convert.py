@@ -130,6 +130,11 @@ def checked_checkpoint(ckpt_dir: str | Path) -> tuple[dict, ModelConfig]:
     width consistent, and equal to the model tensors the checkpoint holds."""
     meta = read_checkpoint_metadata(ckpt_dir)
     where = str(Path(ckpt_dir) / METADATA)
+    if meta.get("lora") is not None:  # a LoRA run's (build.model_metadata): base + adapters
+        rank = meta["lora"].get("rank") if isinstance(meta["lora"], dict) else None
+        raise ConfigError(f"{ckpt_dir} is a LoRA run's checkpoint (--lora-rank {shown(rank)}): its adapters "
+                          "cannot be exported or loaded into another model yet (docs/lora.md); only "
+                          "emapg-train --load resumes it")
     cfg = ModelConfig.from_dict(meta["model_config"], where)
     try:
         cfg.validate()

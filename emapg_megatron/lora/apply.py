@@ -34,6 +34,8 @@ from contextlib import contextmanager
 
 import torch
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+from megatron.core.utils import make_tp_sharded_tensor_for_checkpoint
 
 from emapg_megatron.errors import ConfigError
 from emapg_megatron.lora import adapters
@@ -93,8 +95,34 @@ def apply_lora(model, cfg: LoRAConfig, *, seed: int = 0) -> list[str]:
             out_blocks=2 if gated else 1, tp_group=module.tp_group,
             sequence_parallel=module.sequence_parallel, dtype=module.weight.dtype,
             device=module.weight.device))
+        _shard_adapters_in_checkpoints(module)
     init_adapters(gpt, seed)
     return [name for name, _, _ in found]
+
+
+def _shard_adapters_in_checkpoints(base) -> None:
+    """Make ``base.sharded_state_dict`` (what Megatron's dist_checkpointing, the optimizer's and
+    the EMA's checkpoint entries are derived from) give each TP-split adapter matrix its TP
+    sharding: Megatron's linear marks every entry but its weight and bias replicated. A gated
+    ``linear_fc1``'s B gets the SwiGLU factory of its weight (``[gate_r; up_r]`` per rank)."""
+    plain = base.sharded_state_dict
+
+    def sharded_state_dict(prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        out = plain(prefix, sharded_offsets, metadata)
+        adapter = base.lora
+        for key, param in adapter.named_parameters():
+            sharding, name = adapter.shardings[key], f"{prefix}lora.{key}"
+            if sharding.dim is None:
+                continue  # replicated over TP: Megatron's entry is right
+            entry = make_tp_sharded_tensor_for_checkpoint(param, out[name].key, tp_axis=sharding.dim,
+                                                          prepend_offsets=sharded_offsets)
+            if sharding.blocks == 2:
+                singleton = (metadata or {}).get("singleton_local_shards", False)
+                entry = apply_swiglu_sharded_factory(entry, sharded_offsets, singleton)
+            out[name] = entry
+        return out
+
+    base.sharded_state_dict = sharded_state_dict
 
 
 def named_adapters(model) -> Iterator[tuple[str, adapters.LoRAAdapter]]:

@@ -108,3 +108,47 @@ def pretrained_start(ckpt: str, model_argv: list, argv: list, lora: list) -> dic
 def lora_states(argvs: list, steps: int) -> list:
     """:func:`lora_state` of each run in turn, in one process."""
     return [lora_state(argv, steps) for argv in argvs]
+
+
+def _named(chunks) -> dict:
+    """This rank's parameters by global name (+ TP rank of a TP-split one), as train_steps keys them."""
+    from megatron.core import parallel_state as ps
+
+    from emapg_megatron.models.gpt import global_param_name, unwrap
+
+    gpt = unwrap(chunks[0])
+    tp_rank = ps.get_tensor_model_parallel_rank()
+    return {f"{global_param_name(gpt, n)}|tp{tp_rank if getattr(p, 'tensor_model_parallel', False) else '*'}":
+            p.detach().float().clone() for n, p in gpt.named_parameters()}
+
+
+def lora_save_and_continue(argv: list, ckpt: str, saved_at: int, steps: int) -> dict:
+    """``saved_at`` trainer steps, a checkpoint (the trainer's ``run.loop.save``), then on to
+    ``steps``: the metrics after the checkpoint and the final parameters and EMA."""
+    from emapg_megatron import build
+    from emapg_megatron.run import loop
+
+    inputs = build.prepare(argv)
+    trainer = build.build_trainer(inputs)
+    for i in range(1, saved_at + 1):
+        trainer.step(i)
+    loop.save(trainer.state, ckpt, saved_at, loop.RunRecord(model=build.model_metadata(inputs)))
+    saved = _named(trainer.model_chunks)
+    metrics = [trainer.step(i).metrics for i in range(saved_at + 1, steps + 1)]
+    anchor = trainer.state.anchor
+    return {"metrics": metrics, "saved": saved, "params": _named(trainer.model_chunks),
+            "ema": anchor.gathered() if hasattr(anchor, "gathered") else {}}
+
+
+def lora_resume(argv: list, ckpt: str, steps: int) -> dict:
+    """Resume ``ckpt`` (``run.loop.resume``) and take the steps after it up to ``steps``."""
+    from emapg_megatron import build
+    from emapg_megatron.run import loop
+
+    trainer = build.build_trainer(build.prepare(argv))
+    start = loop.resume(ckpt, trainer.state)
+    resumed = _named(trainer.model_chunks)
+    metrics = [trainer.step(i).metrics for i in range(start + 1, steps + 1)]
+    anchor = trainer.state.anchor
+    return {"metrics": metrics, "resumed": resumed, "params": _named(trainer.model_chunks),
+            "ema": anchor.gathered() if hasattr(anchor, "gathered") else {}}

@@ -14,11 +14,20 @@ import sys
 
 import pytest
 import torch
-from lora_train_workers import lora_state, lora_states, pretrained_start
+from lora_train_workers import (
+    lora_resume,
+    lora_save_and_continue,
+    lora_state,
+    lora_states,
+    pretrained_start,
+)
 from test_equivalence_matrix import BASE
 from trainer_launch import COMPARED
 
 from emapg_megatron import train
+from emapg_megatron.checkpoint.convert import checkpoint_model_config, training_step_dir
+from emapg_megatron.errors import ConfigError
+from emapg_megatron.lora.adapters import Sharding
 from emapg_megatron.models.config import ModelConfig
 from emapg_megatron.multiprocess import run_distributed
 
@@ -164,6 +173,77 @@ def test_a_lora_student_distils_from_a_full_teacher(variants):
     assert out["metrics"][1]["kl"] != 0.0 and out["base_unchanged"] and out["moved"] == out["adapter_names"]
 
 
+TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+
+
+@pytest.fixture(scope="module")
+def saved(hf_models, tmp_path_factory):
+    """A TP = 2 (SP) LoRA run of the Qwen2.5 model saved after step 2 (the trainer's save), then
+    on to step 3; its checkpoint folder."""
+    ckpt = str(tmp_path_factory.mktemp("lora_ckpt") / "save")
+    outs = run_distributed(lora_save_and_continue, 2, tp=2,
+                           args=([*argv(hf_models["qwen2-tied-gqa-bias"]), *TP2_SP], ckpt, 2, 3), timeout=300)
+    return ckpt, outs
+
+
+def test_a_lora_checkpoint_resumes_bit_exactly(hf_models, saved):
+    """Adapters (their TP shards, the gated fc1's B as [gate_r; up_r]), Adam and the EMA of the
+    adapters come back: step 3 after a resume is step 3 of the uninterrupted run, bit for bit."""
+    ckpt, before = saved
+    after = run_distributed(lora_resume, 2, tp=2, args=([*argv(hf_models["qwen2-tied-gqa-bias"]), *TP2_SP], ckpt, 3),
+                            timeout=300)
+    for b, a in zip(before, after):
+        assert [{k: m[k] for k in COMPARED} for m in a["metrics"]] == \
+            [{k: m[k] for k in COMPARED} for m in b["metrics"]]
+        assert a["params"].keys() == b["params"].keys() and a["ema"].keys() == b["ema"].keys()
+        assert all(torch.equal(a["params"][k], b["params"][k]) for k in b["params"])
+        assert all(torch.equal(a["ema"][k], b["ema"][k]) for k in b["ema"]) and b["ema"]
+
+
+def _sharding(name: str) -> Sharding:
+    """How TP splits the adapter matrix ``name`` (docs/lora.md; the tiny models' MLP is gated)."""
+    column, matrix = any(t in name for t in ("linear_qkv", "linear_fc1")), name.rsplit(".", 1)[-1]
+    if matrix == "A":
+        return Sharding(None if column else 1)
+    return Sharding(0, 2 if "linear_fc1" in name else 1) if column else Sharding(None)
+
+
+def test_a_lora_checkpoint_reshards_to_one_rank(hf_models, saved):
+    """The TP = 2 checkpoint resumed at one rank: its adapters are the TP shards put together, and
+    step 3 gives the uninterrupted TP = 2 run's metrics."""
+    ckpt, before = saved
+    (one,) = run_distributed(lora_resume, 1, args=(argv(hf_models["qwen2-tied-gqa-bias"]), ckpt, 3), timeout=300)
+    names = {k.split("|")[0] for k in before[0]["saved"] if ".lora." in k}
+    assert names and {k.split("|")[0] for k in one["resumed"] if ".lora." in k} == names
+    for name in names:
+        sharding = _sharding(name)
+        shards = [b["saved"][f"{name}|tp{r if sharding.dim is not None else '*'}"] for r, b in enumerate(before)]
+        key = next(k for k in one["resumed"] if k.split("|")[0] == name)
+        assert torch.equal(one["resumed"][key], sharding.full(shards)), name
+    for k in COMPARED:
+        assert one["metrics"][0][k] == pytest.approx(before[0]["metrics"][0][k], rel=1e-4, abs=1e-7), k
+
+
+def test_a_lora_checkpoint_resumes_only_with_lora(hf_models, saved):
+    ckpt, _ = saved
+    full = [*BASE, "--load-hf", hf_models["qwen2-tied-gqa-bias"], "--global-batch-size", "16"]
+    with pytest.raises(Exception) as e:
+        run_distributed(lora_resume, 1, args=(full, ckpt, 3), timeout=300)
+    assert ("the checkpoint was saved with LoRA adapters and this run is without them: resume with the "
+            "--lora-* flags of the run that saved it") in str(e.value)
+
+
+def test_a_lora_checkpoint_is_refused_where_it_would_lose_its_adapters(saved):
+    """The converter, --teacher-checkpoint and --pretrained-checkpoint read a checkpoint as a
+    model: a LoRA run's is refused in one line (only --load resumes it)."""
+    ckpt, _ = saved
+    with pytest.raises(ConfigError) as e:
+        checkpoint_model_config(training_step_dir(ckpt))
+    assert str(e.value) == (f"{training_step_dir(ckpt)} is a LoRA run's checkpoint (--lora-rank 4): its "
+                            "adapters cannot be exported or loaded into another model yet (docs/lora.md); "
+                            "only emapg-train --load resumes it")
+
+
 def test_pretrained_checkpoint_loads_the_base_and_keeps_the_adapters(tmp_path):
     """--pretrained-checkpoint holds no adapter: the base weights load, the adapters keep their
     init (B = 0), so the run starts at the checkpoint's model."""
@@ -191,10 +271,6 @@ def _dry_run(*extra):
      "--transformer-impl local or auto"),
     (["--rollout-engine", "vllm"], "--lora-rank 8 does not support --rollout-engine vllm yet (the weight "
                                    "sync has no adapter mapping): use the built-in sampler"),
-    (["--save", "/tmp/lora-save"], "--lora-rank 8 cannot --save yet (adapter checkpoints are not "
-                                   "written): drop --save"),
-    (["--load", "/tmp"], "--lora-rank 8 cannot --load a run yet (adapter checkpoints are not read): "
-                         "drop --load"),
     (["--num-experts", "4", "--moe-router-topk", "2"],
      "--lora-rank 8 does not support mixture-of-experts models yet: this one has 4 experts per layer"),
     (["--lora-target-modules", "q_proj"],

@@ -80,6 +80,14 @@ def _named_params(model_chunks, base_only: bool = False):
             yield global_param_name(gpt, name), p
 
 
+def _merged(model_chunks) -> bool:
+    """Whether the chunks carry LoRA adapters, every one merged into its base weight: the base
+    weights are then the adapted model's, and the adapter matrices are left out of an export."""
+    from emapg_megatron.lora.apply import has_adapters, is_merged
+
+    return all(has_adapters(c) and is_merged(c) for c in model_chunks)
+
+
 def _check_layout(name: str, codec, param) -> None:
     # Megatron tags TP-split params; a disagreement means the table and the spec diverged.
     dim = getattr(param, "partition_dim", None) if getattr(param, "tensor_model_parallel", False) else None
@@ -277,7 +285,8 @@ def export_hf_buckets(model_chunks, model_cfg: ModelConfig, *, bucket_bytes: int
     mapping = HFMapping(model_cfg)
     experts = _Experts.of_this_rank(model_cfg)
     local = {experts.slot_name(mapping.lookup(n).megatron): high_precision(n, p.detach())
-             for n, p in _mapped(model_chunks, mapping, experts) if mapping.lookup(n).export}
+             for n, p in _mapped(model_chunks, mapping, experts, base_only=_merged(model_chunks))
+             if mapping.lookup(n).export}
     tp, tp_group = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_group()
     pp, stage = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
     mine = {n: (tuple(t.shape), t.dtype) for n, t in local.items()}

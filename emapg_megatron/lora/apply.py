@@ -193,6 +193,12 @@ def adapters_off(model_chunks):
             layer.lora.enabled = True
 
 
+def is_merged(model) -> bool:
+    """Whether every adapter of ``model`` is merged into its base weight (False without any)."""
+    layers = list(_adapted_layers(model))
+    return bool(layers) and all(layer.lora.merged for layer in layers)
+
+
 def merge_lora(model) -> None:
     """Fold every adapter into its base weight (:func:`adapters.merge`)."""
     for layer in _adapted_layers(model):

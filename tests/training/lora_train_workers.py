@@ -1,6 +1,8 @@
 """Rank functions of tests/training/test_lora_trainer.py: a LoRA run built as emapg_megatron.train
 builds it, what DDP, the optimizer and the anchor hold, and the passes at the start (spawned)."""
 
+from contextlib import nullcontext
+
 import torch
 
 
@@ -145,10 +147,30 @@ def lora_resume(argv: list, ckpt: str, steps: int) -> dict:
     from emapg_megatron import build
     from emapg_megatron.run import loop
 
-    trainer = build.build_trainer(build.prepare(argv))
+    inputs = build.prepare(argv)
+    trainer = build.build_trainer(inputs)
     start = loop.resume(ckpt, trainer.state)
     resumed = _named(trainer.model_chunks)
+    logits = _local_logits(trainer.model_chunks, inputs.model_cfg.vocab_size)
+    from emapg_megatron.lora.apply import adapters_off, has_adapters
+
+    with adapters_off(trainer.model_chunks) if has_adapters(trainer.model_chunks[0]) else nullcontext():
+        base_logits = _local_logits(trainer.model_chunks, inputs.model_cfg.vocab_size)
     metrics = [trainer.step(i).metrics for i in range(start + 1, steps + 1)]
     anchor = trainer.state.anchor
-    return {"metrics": metrics, "resumed": resumed, "params": _named(trainer.model_chunks),
+    return {"metrics": metrics, "resumed": resumed, "logits": logits, "base_logits": base_logits, "params": _named(trainer.model_chunks),
             "ema": anchor.gathered() if hasattr(anchor, "gathered") else {}}
+
+
+def export_merged(ckpt: str, out: str, vocab: int, seq: int = 8):
+    """``emapg-convert mcore-to-hf`` of a LoRA run's checkpoint (adapters merged), read back with
+    transformers: its logits of :func:`_local_logits`'s batch."""
+    import transformers
+
+    from emapg_megatron.checkpoint.convert import mcore_to_hf
+
+    mcore_to_hf(ckpt, out, progress=False)
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.float32)
+    tokens = (torch.arange(2 * seq).view(2, seq) * 7 + 3) % vocab
+    with torch.no_grad():
+        return model(tokens).logits.float()

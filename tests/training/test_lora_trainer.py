@@ -15,6 +15,7 @@ import sys
 import pytest
 import torch
 from lora_train_workers import (
+    export_merged,
     lora_resume,
     lora_save_and_continue,
     lora_state,
@@ -208,11 +209,11 @@ def _sharding(name: str) -> Sharding:
     return Sharding(0, 2 if "linear_fc1" in name else 1) if column else Sharding(None)
 
 
-def test_a_lora_checkpoint_reshards_to_one_rank(hf_models, saved):
+def test_a_lora_checkpoint_reshards_to_one_rank(saved, resumed_at_one_rank):
     """The TP = 2 checkpoint resumed at one rank: its adapters are the TP shards put together, and
     step 3 gives the uninterrupted TP = 2 run's metrics."""
-    ckpt, before = saved
-    (one,) = run_distributed(lora_resume, 1, args=(argv(hf_models["qwen2-tied-gqa-bias"]), ckpt, 3), timeout=300)
+    _, before = saved
+    one = resumed_at_one_rank
     names = {k.split("|")[0] for k in before[0]["saved"] if ".lora." in k}
     assert names and {k.split("|")[0] for k in one["resumed"] if ".lora." in k} == names
     for name in names:
@@ -233,15 +234,31 @@ def test_a_lora_checkpoint_resumes_only_with_lora(hf_models, saved):
             "--lora-* flags of the run that saved it") in str(e.value)
 
 
+@pytest.fixture(scope="module")
+def resumed_at_one_rank(hf_models, saved):
+    ckpt, _ = saved
+    return run_distributed(lora_resume, 1, args=(argv(hf_models["qwen2-tied-gqa-bias"]), ckpt, 3), timeout=300)[0]
+
+
+def test_a_lora_checkpoint_exports_merged(saved, resumed_at_one_rank, tmp_path):
+    """emapg-convert mcore-to-hf of a LoRA run's checkpoint merges the adapters: transformers
+    computes the adapted model's logits from the exported folder."""
+    ckpt, _ = saved
+    hf = run_distributed(export_merged, 1, args=(ckpt, str(tmp_path / "hf"), 16), timeout=300)[0]
+    ours, base = resumed_at_one_rank["logits"][..., :16], resumed_at_one_rank["base_logits"][..., :16]
+    assert (hf - ours).abs().max() <= 1e-4 * ours.abs().max()
+    assert (ours - base).abs().max() > 100 * (hf - ours).abs().max()  # the adapters moved the logits
+
+
 def test_a_lora_checkpoint_is_refused_where_it_would_lose_its_adapters(saved):
-    """The converter, --teacher-checkpoint and --pretrained-checkpoint read a checkpoint as a
-    model: a LoRA run's is refused in one line (only --load resumes it)."""
+    """--teacher-checkpoint and --pretrained-checkpoint read a checkpoint as a model: a LoRA
+    run's is refused in one line."""
     ckpt, _ = saved
     with pytest.raises(ConfigError) as e:
         checkpoint_model_config(training_step_dir(ckpt))
-    assert str(e.value) == (f"{training_step_dir(ckpt)} is a LoRA run's checkpoint (--lora-rank 4): its "
-                            "adapters cannot be exported or loaded into another model yet (docs/lora.md); "
-                            "only emapg-train --load resumes it")
+    assert str(e.value) == (f"{training_step_dir(ckpt)} is a LoRA run's checkpoint (--lora-rank 4): it "
+                            "cannot be loaded into another model yet (docs/lora.md); emapg-train --load "
+                            "resumes it and emapg-convert mcore-to-hf exports it merged")
 
 
 def test_pretrained_checkpoint_loads_the_base_and_keeps_the_adapters(tmp_path):

@@ -7,10 +7,14 @@ import torch
 
 
 def _local_logits(chunks, vocab: int, seq: int = 8):
-    """The last stage's logits of a fixed batch (None on other stages; one pipeline stage only)."""
+    """The logits of a fixed batch (None under pipeline parallelism: one stage only)."""
+    from megatron.core import parallel_state as ps
+
     from emapg_megatron.models.gpt import unwrap
 
     gpt = unwrap(chunks[0])
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        return None
     tokens = (torch.arange(2 * seq).view(2, seq) * 7 + 3) % vocab
     pos = torch.arange(seq).unsqueeze(0).expand(2, -1)
     with torch.no_grad():

@@ -23,6 +23,7 @@ from emapg_megatron.checkpoint.paths import holds_checkpoint
 from emapg_megatron.configurable import at_least, option
 from emapg_megatron.errors import ConfigError
 from emapg_megatron.kl.config import KLConfig
+from emapg_megatron.lora.config import LoRAConfig
 from emapg_megatron.models.config import (
     ModelConfig,
     ModelOptions,
@@ -80,6 +81,7 @@ class RunConfig:
     kl: KLConfig = field(default_factory=KLConfig)
     ema: EmaConfig = field(default_factory=EmaConfig)
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def flags(self) -> dict:
         """``{flag dest: value}`` of every option: what --dry-run prints and a checkpoint records."""
@@ -164,6 +166,8 @@ def validate(cfg: RunConfig, world_size: int) -> None:
     cfg.kl.validate()
     cfg.ema.validate(cfg.optim.use_distributed_optimizer)
     cfg.teacher.validate()
+    cfg.lora.validate()
+    _validate_lora(cfg)
     _validate_partial_rollouts(cfg, world_size)  # before the engines' rules: it names what to drop
     _validate_teacher(cfg)
     _validate_schedule(cfg)
@@ -188,6 +192,22 @@ def _validate_teacher(cfg: RunConfig) -> None:
     _check(cfg.loss.kl_coef > 0 or cfg.step.kl_in_reward_coef > 0,
            f"{teacher.flag} needs --kl-coef > 0 (the KL to the teacher in the loss) or "
            "--kl-in-reward-coef > 0 (its sampled log-ratio in the reward)")
+
+
+def _validate_lora(cfg: RunConfig) -> None:
+    """What LoRA (--lora-rank > 0) does not support yet, each refused in one line (docs/lora.md)."""
+    if not cfg.lora.enabled:
+        return
+    rank, prec = f"--lora-rank {cfg.lora.rank}", cfg.precision
+    for refused, why in (
+            (prec.fp8_format is not None, "does not support --fp8-format: FP8 runs on Transformer "
+                                          "Engine's linears, which take no adapter yet"),
+            (prec.transformer_impl == "transformer_engine",
+             "needs Megatron's local linears (Transformer Engine's take no adapter yet): use "
+             "--transformer-impl local or auto"),
+            (cfg.sampler.engine == "vllm", "does not support --rollout-engine vllm yet (the weight sync "
+                                           "has no adapter mapping): use the built-in sampler")):
+        _check(not refused, f"{rank} {why}")
 
 
 def _validate_schedule(cfg: RunConfig) -> None:
@@ -277,6 +297,9 @@ def validate_architecture(cfg: RunConfig, model_cfg: ModelConfig) -> None:
     ep = cfg.parallel.expert_model_parallel_size
     model_cfg.check_entries("the model")  # the bounds a config.json is held to, before any sizing
     model_cfg.validate(tp, pp, ep)
+    _check(not (cfg.lora.enabled and model_cfg.is_moe),
+           f"--lora-rank {cfg.lora.rank} does not support mixture-of-experts models yet: this one has "
+           f"{model_cfg.num_experts} experts per layer")
     if model_cfg.is_moe:
         per_stage = model_cfg.num_layers // pp
         for stage in range(pp):

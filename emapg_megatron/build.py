@@ -25,6 +25,7 @@ from transformers import AutoTokenizer
 from emapg_megatron import arguments, runtime
 from emapg_megatron.algo.config import StepConfig
 from emapg_megatron.anchor import EmaAnchor, StabilityMonitor
+from emapg_megatron.anchor.frozen_base import FrozenBaseAnchor
 from emapg_megatron.anchor.teacher import (
     Teacher,
     check_same_tokenizer,
@@ -48,6 +49,7 @@ from emapg_megatron.checkpoint.hf_config import (
 from emapg_megatron.checkpoint.hf_io import TOKENIZER_VOCAB_FILES, has_tokenizer
 from emapg_megatron.checkpoint.safe_load import load_verified
 from emapg_megatron.errors import ConfigError
+from emapg_megatron.lora.apply import adapters_off
 from emapg_megatron.models.config import ModelConfig
 from emapg_megatron.models.gpt import has_local_attention, unwrap, validate_precision
 from emapg_megatron.parallel.output_heads import output_head
@@ -177,7 +179,9 @@ def summarize(inputs: RunInputs) -> str:
                   + (f"; {m.num_experts} experts per MoE layer, top-{m.moe_router_topk}, routing replay "
                      f"{cfg.moe.routing_replay}" if m.is_moe else "")
                   + (f"; dense MLP in layers {m.dense_mlp_layers}" if m.dense_mlp_layers else "")
-                  + (f", from {cfg.model.load_hf}" if cfg.model.load_hf else "")),
+                  + (f", from {cfg.model.load_hf}" if cfg.model.load_hf else "")
+                  + (f"; LoRA rank {cfg.lora.rank} (alpha {cfg.lora.alpha:g}) on "
+                     f"{' '.join(cfg.lora.targets())}, base frozen" if cfg.lora.enabled else "")),
         ("task", f"{cfg.task.name}: " + (f"prompts {NOT_CHECKED}" if inputs.prompts is None else
                  f"{len(inputs.prompts.rows)} prompts"
                  + (f" ({len(inputs.prompts.dropped)} too long, dropped)" if inputs.prompts.dropped else ""))),
@@ -197,8 +201,14 @@ def build_trainer(inputs: RunInputs) -> Trainer:
     """The run's components on this rank (call after ``runtime.initialize``)."""
     cfg, model_cfg = inputs.config, inputs.model_cfg
     chunks, optimizer = build_model_and_optimizer(model_cfg, cfg.optim, cfg.precision,
-                                                  sequence_parallel=cfg.parallel.sequence_parallel, moe=cfg.moe)
+                                                  sequence_parallel=cfg.parallel.sequence_parallel, moe=cfg.moe,
+                                                  lora=cfg.lora, seed=cfg.loop.seed)
     load_initial_weights(chunks, optimizer, cfg, model_cfg)
+    if cfg.lora.enabled:
+        trainable = sum(p.numel() for p in chunks[0].parameters() if p.requires_grad)
+        frozen = sum(p.numel() for p in chunks[0].parameters() if not p.requires_grad)
+        log0(f"LoRA rank {cfg.lora.rank}: {trainable:,} adapter parameters train, {frozen:,} base "
+             "parameters frozen (rank 0)")
     scheduler = lr_scheduler(optimizer, cfg.optim, cfg.loop.train_iters, cfg.step.updates_per_step)
     if cfg.step.sequence_packing:
         warn_packed_attention_cost(chunks[0], model_cfg, cfg.step)
@@ -238,8 +248,12 @@ def build_collector(inputs: RunInputs, engine):
 
 
 def build_anchor(inputs: RunInputs, chunks, optimizer):
-    """The KL anchor: the distillation teacher when one is given, else the EMA of the policy."""
+    """The KL anchor: the distillation teacher when one is given, else the EMA of the policy (with
+    LoRA: of its adapters, the only trainable parameters; at --ema-eta 1 the base model itself,
+    the adapters switched off, with no copy)."""
     cfg = inputs.config
+    if inputs.teacher_cfg is None and cfg.lora.enabled and cfg.ema.eta >= 1.0:  # B = 0 at the start
+        return FrozenBaseAnchor(chunks, adapters_off)
     if inputs.teacher_cfg is None:
         return EmaAnchor(chunks, optimizer, cfg.ema)
     t = inputs.teacher_cfg
@@ -349,6 +363,8 @@ def model_metadata(inputs: RunInputs) -> dict | None:
     meta = checkpoint_metadata(inputs.model_cfg, inputs.architecture, dtype,
                                tp=cfg.parallel.tensor_model_parallel_size,
                                pp=cfg.parallel.pipeline_model_parallel_size, hf_config=inputs.hf_config)
+    if cfg.lora.enabled:  # its consumers other than --load refuse it (checkpoint.convert.checked_checkpoint)
+        meta["lora"] = {"rank": cfg.lora.rank, "alpha": cfg.lora.alpha, "target_modules": list(cfg.lora.targets())}
     return {**meta, "hf_dir": os.path.abspath(hf_dir) if hf_dir else None}
 
 
@@ -456,9 +472,14 @@ def lr_scheduler(optimizer, optim: OptimConfig, train_iters: int,
 
 
 def load_pretrained(chunks, optimizer, path: str) -> None:
-    """Model weights only (e.g. from `emapg-convert hf-to-mcore`), any TP/PP."""
+    """Model weights only (e.g. from `emapg-convert hf-to-mcore`), any TP/PP. LoRA's adapters
+    (``<linear>.lora.A`` / ``.lora.B``) are not in such a checkpoint: they keep their init."""
     gpt = unwrap(chunks[0])
-    gpt.load_state_dict(load_verified(gpt.sharded_state_dict(), path))  # nothing in it may run
+    every = gpt.sharded_state_dict()
+    base = {k: v for k, v in every.items() if ".lora." not in k}
+    missing, _ = gpt.load_state_dict(load_verified(base, path), strict=len(base) == len(every))  # nothing in it may run
+    if any(".lora." not in k for k in missing):
+        raise ConfigError(f"--pretrained-checkpoint {path} lacks {', '.join(k for k in missing if '.lora.' not in k)}")
     optimizer.reload_model_params()
 
 

@@ -24,7 +24,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 GOLDEN = os.path.join(HERE, "cli_flags_at_375884d.json")  # the hand-written parser's flags and defaults
 FREE_TEXT = {"--preset", "--config", "--retriever", "--wandb-project", "--wandb-exp-name", "--prompt-key",
              "--answer-key",
-             "--moe-layer-freq"}  # free strings (that one: a pattern read by models.config.dense_mlp_layers)
+             "--moe-layer-freq", "--lora-target-modules"}
+# free strings: --moe-layer-freq a pattern read by models.config.dense_mlp_layers; --lora-target-modules
+# names checked by LoRAConfig.validate, which also takes comma-separated lists that choices would refuse
 ADDED = {"--overwrite", "--kl-reference-clamps", "--rollout-dump-interval", "--wandb-project",
          "--wandb-exp-name", "--prompt-key", "--answer-key", "--eval-interval", "--eval-data-path",
          "--eval-samples", "--eval-max-prompts", "--teacher-load-hf", "--teacher-checkpoint",
@@ -38,7 +40,9 @@ ADDED = {"--overwrite", "--kl-reference-clamps", "--rollout-dump-interval", "--w
          "--expert-model-parallel-size",
          "--expert-tensor-parallel-size", "--moe-token-dispatcher-type", "--moe-router-load-balancing-type",
          "--moe-aux-loss-coeff", "--moe-z-loss-coeff", "--moe-router-dtype", "--moe-grouped-gemm",
-         "--moe-routing-replay"}  # flags added since, on purpose
+         "--moe-routing-replay",
+         # LoRA (issue 42)
+         "--lora-rank", "--lora-alpha", "--lora-dropout", "--lora-target-modules"}  # flags added since, on purpose
 ADDED_ALIASES = {"--rl-partial-rollouts"}  # other names of added flags
 NEGATED = {"--no-task-reward", "--no-inference-fixed-shape-decode", "--no-inference-cuda-graphs",
            "--no-inference-continuous-batching"}  # the negations of added switches

@@ -136,6 +136,24 @@ def stage_params(cfg: ModelConfig, tp: int = 1, pp: int = 1, stage: int = 0) -> 
     return n
 
 
+LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+
+
+def lora_layer_params(cfg: ModelConfig, rank: int, tp: int = 1, targets=LORA_TARGETS) -> int:
+    """LoRA adapter parameters of one layer on one TP rank (docs/lora.md): A ``[r, in]`` and B
+    ``[out, r]`` of each target, split over TP where the base weight is: a column-parallel base
+    (qkv, fc1) has A whole and B split on its rows, a row-parallel one (proj, fc2) A split on its
+    columns and B whole."""
+    h, d = cfg.hidden_size, head_dim(cfg)
+    groups = cfg.num_query_groups or cfg.num_attention_heads
+    attn = cfg.num_attention_heads * d
+    per = {"linear_qkv": rank * h + (cfg.num_attention_heads + 2 * groups) * d // tp * rank,
+           "linear_proj": rank * attn // tp + h * rank,
+           "linear_fc1": rank * h + 2 * cfg.ffn_hidden_size // tp * rank,
+           "linear_fc2": rank * cfg.ffn_hidden_size // tp + h * rank}
+    return sum(per[t] for t in targets)
+
+
 def model_params(cfg: ModelConfig) -> int:
     """The model's own parameter count (unpadded vocabulary, a tied output layer counted once):
     what the Hugging Face checkpoint holds."""
@@ -150,23 +168,29 @@ def kv_bytes_per_token(cfg: ModelConfig, tp: int = 1, pp: int = 1, itemsize: int
     return 2 * (cfg.num_layers // pp) * (groups // tp) * head_dim(cfg) * itemsize
 
 
-def memory(cfg: ModelConfig, layout: Layout, seq_length: int = 8192) -> dict:
-    """Bytes per rank (the heaviest pipeline stage) of each counted part, and their device total."""
+def memory(cfg: ModelConfig, layout: Layout, seq_length: int = 8192, lora_rank: int = 0) -> dict:
+    """Bytes per rank (the heaviest pipeline stage) of each counted part, and their device total.
+    With ``lora_rank`` (``--lora-rank``, adapters on every target linear) the weights are the
+    frozen base plus the adapters, and only the adapters (``trainable_per_rank``) have gradients,
+    fp32 main params, Adam moments and an EMA (docs/lora.md)."""
     why = fits(cfg, layout)
     if why:
         raise ValueError(why)
-    n = max(stage_params(cfg, layout.tp, layout.pp, s) for s in range(layout.pp))
+    n = max(stage_params(cfg, layout.tp, layout.pp, s) + cfg.num_layers // layout.pp
+            * lora_layer_params(cfg, lora_rank, layout.tp) for s in range(layout.pp))
+    t = cfg.num_layers // layout.pp * lora_layer_params(cfg, lora_rank, layout.tp) if lora_rank else n
     shard = layout.dp if layout.distributed_optimizer else 1
     weights = n * (2 if layout.bf16 else 4)
-    grads = n * 4
-    main = math.ceil(n * 4 / shard) if layout.bf16 else 0
-    adam = math.ceil(n * 8 / shard)
-    ema = math.ceil(n * 4 / (layout.dp if layout.ema.startswith("shard") else 1))
+    grads = t * 4
+    main = math.ceil(t * 4 / shard) if layout.bf16 else 0
+    adam = math.ceil(t * 8 / shard)
+    ema = math.ceil(t * 4 / (layout.dp if layout.ema.startswith("shard") else 1))
     ema_device, ema_host = (0, ema) if layout.ema.endswith("offload") else (ema, 0)
-    swap = 0 if layout.bf16 else math.ceil(n * 4 / shard)
+    swap = 0 if layout.bf16 else math.ceil(t * 4 / shard)
     kv = kv_bytes_per_token(cfg, layout.tp, layout.pp)
     return {
-        "params_per_rank": n, "weights": weights, "grads": grads, "main_params": main, "adam": adam,
+        "params_per_rank": n, **({"trainable_per_rank": t, "lora_rank": lora_rank} if lora_rank else {}),
+        "weights": weights, "grads": grads, "main_params": main, "adam": adam,
         "ema_device": ema_device, "ema_host": ema_host, "ema_swap_transient": swap,
         "total_device": weights + grads + main + adam + ema_device,
         "kv_bytes_per_token": kv, "kv_bytes_per_sequence": kv * seq_length, "seq_length": seq_length,

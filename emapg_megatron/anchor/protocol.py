@@ -1,8 +1,10 @@
 """The KL anchor's interface: what the trainer, the checkpoint code and the loop ask of it.
 
-Two implementations: :class:`~emapg_megatron.anchor.ema.EmaAnchor` (the fp32 EMA of the policy,
-swapped into the live model for the anchor pass) and :class:`~emapg_megatron.anchor.teacher.Teacher`
-(a frozen model of its own: distillation). A new anchor (an EMA over experts or adapters) plugs
+Three implementations: :class:`~emapg_megatron.anchor.ema.EmaAnchor` (the fp32 EMA of the
+policy's trainable parameters, swapped into the live model for the anchor pass),
+:class:`~emapg_megatron.anchor.teacher.Teacher` (a frozen model of its own: distillation) and
+:class:`~emapg_megatron.anchor.frozen_base.FrozenBaseAnchor` (the policy with its trainable part
+switched off: LoRA at --ema-eta 1). A new anchor (an EMA over experts or adapters) plugs
 in by implementing this, without touching the trainer.
 """
 

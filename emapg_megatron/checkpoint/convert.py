@@ -124,18 +124,26 @@ def read_checkpoint_metadata(ckpt_dir: str | Path) -> dict:
     return meta
 
 
-def checked_checkpoint(ckpt_dir: str | Path) -> tuple[dict, ModelConfig]:
+def checked_checkpoint(ckpt_dir: str | Path, *, lora: bool = False) -> tuple[dict, ModelConfig]:
     """(:data:`METADATA`, the :class:`ModelConfig` it stores) of ``ckpt_dir``, before anything is
     built from them: the config's entries of the right types and bounds, its heads, groups and
-    width consistent, and equal to the model tensors the checkpoint holds."""
+    width consistent, and equal to the model tensors the checkpoint holds. A LoRA run's checkpoint
+    (its ``lora`` entry, ``build.model_metadata``: base and adapters) is refused in one line unless
+    ``lora`` (the caller applies the adapters: :func:`mcore_to_hf` merges them)."""
     meta = read_checkpoint_metadata(ckpt_dir)
     where = str(Path(ckpt_dir) / METADATA)
+    adapters = meta.get("lora")
+    if adapters is not None and (not lora or not isinstance(adapters, dict)):
+        rank = adapters.get("rank") if isinstance(adapters, dict) else None
+        raise ConfigError(f"{ckpt_dir} is a LoRA run's checkpoint (--lora-rank {shown(rank)}): it cannot be "
+                          "loaded into another model yet (docs/lora.md); emapg-train --load resumes it "
+                          "and emapg-convert mcore-to-hf exports it merged")
     cfg = ModelConfig.from_dict(meta["model_config"], where)
     try:
         cfg.validate()
     except ConfigError as e:
         raise ConfigError(f"{where}: {e}") from None
-    check_stored_tensors(ckpt_dir, cfg, f"the model config in {where}")
+    check_stored_tensors(ckpt_dir, cfg, f"the model config in {where}", adapters=adapters is not None)
     return meta, cfg
 
 
@@ -145,15 +153,18 @@ def checkpoint_model_config(ckpt_dir: str | Path) -> ModelConfig:
     return checked_checkpoint(ckpt_dir)[1]
 
 
-def check_stored_tensors(ckpt_dir: str | Path, cfg: ModelConfig, what: str) -> None:
+def check_stored_tensors(ckpt_dir: str | Path, cfg: ModelConfig, what: str, adapters: bool = False) -> None:
     """Refuse, in one line, a model ``cfg`` whose tensors differ from the model tensors the
     ``torch_dist`` checkpoint ``ckpt_dir`` stores (their global shapes, read from its checked
     ``.metadata``): Megatron would build the model and then stop in the load with a traceback,
     or ignore a stored tensor the model lacks. A folder without ``.metadata`` is no such
-    checkpoint: its load refuses it."""
+    checkpoint: its load refuses it. ``adapters``: LoRA's adapter matrices (``.lora.``) are
+    stored too, and not compared."""
     stored = _stored_model_keys(ckpt_dir)
     if stored is None:  # no torch_dist checkpoint: refused in one line when it is loaded
         return
+    if adapters:
+        stored = {k: v for k, v in stored.items() if ".lora." not in k}
     expected = HFMapping(cfg).stored_shapes()
     for key in list(expected):  # either spec's key (load_mcore reads both)
         alias = stored_key_alias(key) if cfg.is_moe else None
@@ -288,6 +299,23 @@ def single_process_runtime():
             runtime.destroy()
 
 
+def _merged_adapters(model, lora: dict, step_dir: str) -> None:
+    """Load a LoRA run's checkpoint (base and adapters) into ``model`` and fold the adapters into
+    its weights (``lora.apply.merge_lora``: W += (alpha / rank) B A, in fp32, rounded once to the
+    model's dtype), so the export is the adapted model as plain HF weights."""
+    from emapg_megatron.lora.apply import apply_lora, merge_lora
+    from emapg_megatron.lora.config import LoRAConfig
+
+    try:
+        cfg = LoRAConfig(rank=int(lora["rank"]), alpha=float(lora["alpha"]),
+                         target_modules=tuple(str(t) for t in lora["target_modules"]))
+    except (KeyError, TypeError, ValueError) as e:
+        raise ConfigError(f"{step_dir}/{METADATA}: corrupt lora entry ({type(e).__name__}: {e})") from None
+    apply_lora(model, cfg)
+    load_mcore([model], step_dir)
+    merge_lora(model)
+
+
 def _build_tp1(cfg: ModelConfig, tp: int, dtype: str):
     # Padded as a TP=tp model is, so the stored embedding has exactly that model's shape.
     padded = replace(cfg, make_vocab_size_divisible_by=cfg.make_vocab_size_divisible_by * tp)
@@ -346,7 +374,7 @@ def mcore_to_hf(load: str | Path, out: str | Path, *, hf_template: str | Path | 
     ``load``: a checkpoint of :func:`hf_to_mcore` / :func:`save_mcore`, a trainer's ``--save``
     directory (its latest step) or one of its ``iter_N`` directories. Returns a summary dict."""
     step_dir = training_step_dir(load)
-    meta, cfg = checked_checkpoint(step_dir)
+    meta, cfg = checked_checkpoint(step_dir, lora=True)
     arch, dtype = meta.get("architecture"), meta.get("dtype")
     if arch is None or dtype is None:
         raise ConfigError(f"{step_dir}/{METADATA} records no architecture or dtype: it cannot be exported")
@@ -361,7 +389,10 @@ def mcore_to_hf(load: str | Path, out: str | Path, *, hf_template: str | Path | 
     torch_dtype = TORCH_DTYPES[dtype]
     with atomic_dir(out, overwrite=overwrite) as tmp, single_process_runtime():
         model = _build_tp1(cfg, meta.get("saved_tp", 1), dtype)
-        load_mcore([model], step_dir)
+        if meta.get("lora") is not None:  # a LoRA run: its adapters merged into the exported weights
+            _merged_adapters(model, meta["lora"], step_dir)
+        else:
+            load_mcore([model], step_dir)
         stream = export_hf_weights([model], cfg, bucket_bytes=EXPORT_BUCKET_BYTES, dtype=torch_dtype)
         with StreamingSafetensorsWriter(tmp, plan, torch_dtype, max_shard_bytes) as writer:
             for name, tensor in tqdm(stream, total=len(plan), desc="export HF weights",

@@ -43,7 +43,7 @@ from emapg_megatron.checkpoint.safe_load import (
     verify_loaded_extra_state,
     verify_on_every_rank,
 )
-from emapg_megatron.errors import CheckpointWriteError, ConfigError, WeightsError
+from emapg_megatron.errors import CheckpointWriteError, ConfigError, WeightsError, agreed
 from emapg_megatron.models.gpt import global_param_name, unwrap
 from emapg_megatron.training.collectives import on_rank0
 from emapg_megatron.training.model_and_optimizer import zero_grads
@@ -366,6 +366,19 @@ def _restore_rng(rng, path: str) -> bool:
         raise ConfigError(f"corrupt checkpoint {path}: its rng_state holds {shown(rng['torch'])}, "
                           f"not a torch RNG state") from None
     return True
+
+
+def check_same_adapters(path: str, model_chunks) -> None:
+    """A LoRA run (adapters ``<linear>.lora.A`` / ``.lora.B``, docs/lora.md) resumes only a LoRA
+    run's checkpoint, and a full run only a full one (their optimizer and EMA states cover other
+    parameters): one line before anything is loaded (metadata only)."""
+    verify_on_every_rank(path)  # megatron unpickles .metadata: nothing in it may run
+    before = any(".lora." in key for key in dist_checkpointing.load_tensors_metadata(path))
+    after = any(".lora." in name for chunk in model_chunks for name, _ in chunk.named_parameters())
+    if before != after:
+        was, is_ = ("with", "without") if before else ("without", "with")
+        raise agreed(ConfigError(f"--load {path}: the checkpoint was saved {was} LoRA adapters and this "
+                                 f"run is {is_} them: resume with the --lora-* flags of the run that saved it"))
 
 
 def load(root: str, sharded_state_dict: dict, iteration: int) -> dict:

@@ -68,13 +68,24 @@ def _expert_renamed(name: str, index) -> str:
     return name if m is None else f"{m[1]}{index(int(m[2]))}{m[3]}"
 
 
-def _named_params(model_chunks):
+def _named_params(model_chunks, base_only: bool = False):
     """``(global name, param)`` over all chunks (``global_param_name``: layer indices made
-    PP-stage independent, local expert indices made global)."""
+    PP-stage independent, local expert indices made global); ``base_only``: without LoRA's
+    adapter matrices (``<linear>.lora.A`` / ``.lora.B``, docs/lora.md), which no HF model holds."""
     for chunk in model_chunks:
         gpt = unwrap(chunk)
         for name, p in gpt.named_parameters():
+            if base_only and ".lora." in name:
+                continue
             yield global_param_name(gpt, name), p
+
+
+def _merged(model_chunks) -> bool:
+    """Whether the chunks carry LoRA adapters, every one merged into its base weight: the base
+    weights are then the adapted model's, and the adapter matrices are left out of an export."""
+    from emapg_megatron.lora.apply import has_adapters, is_merged
+
+    return all(has_adapters(c) and is_merged(c) for c in model_chunks)
 
 
 def _check_layout(name: str, codec, param) -> None:
@@ -84,8 +95,9 @@ def _check_layout(name: str, codec, param) -> None:
         raise ConfigError(f"{name}: Megatron splits dim {dim} over TP, the HF mapping expects {codec.tp_dim}")
 
 
-def _mapped(model_chunks, mapping: HFMapping, experts: _Experts) -> list[tuple[str, torch.nn.Parameter]]:
-    params = list(_named_params(model_chunks))
+def _mapped(model_chunks, mapping: HFMapping, experts: _Experts,
+            base_only: bool = False) -> list[tuple[str, torch.nn.Parameter]]:
+    params = list(_named_params(model_chunks, base_only))
     unknown = [n for n, _ in params if mapping.lookup(n) is None]
     if unknown:
         raise ConfigError(f"Megatron parameters without an HF mapping ({len(unknown)}): {', '.join(unknown)}")
@@ -116,7 +128,7 @@ def load_hf_weights(model_chunks, model_cfg: ModelConfig,
         read, shapes = reader.read, reader.shapes()
     read, _ = mapping.source(read, shapes)
     experts = _Experts.of_this_rank(model_cfg)
-    params = _mapped(model_chunks, mapping, experts)
+    params = _mapped(model_chunks, mapping, experts, base_only=True)  # LoRA adapters keep their init
     tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     total = sum(p.numel() * p.element_size() for _, p in params)
     with torch.no_grad(), tqdm(total=total, unit="B", unit_scale=True, desc="import HF weights",
@@ -273,7 +285,8 @@ def export_hf_buckets(model_chunks, model_cfg: ModelConfig, *, bucket_bytes: int
     mapping = HFMapping(model_cfg)
     experts = _Experts.of_this_rank(model_cfg)
     local = {experts.slot_name(mapping.lookup(n).megatron): high_precision(n, p.detach())
-             for n, p in _mapped(model_chunks, mapping, experts) if mapping.lookup(n).export}
+             for n, p in _mapped(model_chunks, mapping, experts, base_only=_merged(model_chunks))
+             if mapping.lookup(n).export}
     tp, tp_group = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_group()
     pp, stage = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
     mine = {n: (tuple(t.shape), t.dtype) for n, t in local.items()}

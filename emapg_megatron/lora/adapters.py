@@ -88,6 +88,7 @@ class LoRAAdapter(torch.nn.Module):
         self.tp_rank, self.tp = dist.get_rank(group=tp_group), tp
         self.in_features, self.scale, self.dropout = in_features, alpha / rank, dropout
         self.merged = False
+        self.enabled = True  # off: the layer computes its base alone (lora.apply.adapters_off)
         column = kind == COLUMN
         self.shardings = {"A": Sharding(None if column else 1),
                           "B": Sharding(0, out_blocks) if column else Sharding(None)}
@@ -152,9 +153,9 @@ class LoRAAdapter(torch.nn.Module):
 
 def _add_update(base, args, kwargs, output):
     """Forward hook of an adapted layer: its (output, bias) with the adapter's update added to
-    the output (not when merged: then the base weight holds it)."""
+    the output (not when merged: then the base weight holds it; not when switched off)."""
     adapter = base.lora
-    if adapter.merged:
+    if adapter.merged or not adapter.enabled:
         return output
     x = args[0] if args else kwargs["input_"]
     out, bias = output

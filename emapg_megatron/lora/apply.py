@@ -30,9 +30,12 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 
 import torch
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+from megatron.core.utils import make_tp_sharded_tensor_for_checkpoint
 
 from emapg_megatron.errors import ConfigError
 from emapg_megatron.lora import adapters
@@ -92,8 +95,34 @@ def apply_lora(model, cfg: LoRAConfig, *, seed: int = 0) -> list[str]:
             out_blocks=2 if gated else 1, tp_group=module.tp_group,
             sequence_parallel=module.sequence_parallel, dtype=module.weight.dtype,
             device=module.weight.device))
+        _shard_adapters_in_checkpoints(module)
     init_adapters(gpt, seed)
     return [name for name, _, _ in found]
+
+
+def _shard_adapters_in_checkpoints(base) -> None:
+    """Make ``base.sharded_state_dict`` (what Megatron's dist_checkpointing, the optimizer's and
+    the EMA's checkpoint entries are derived from) give each TP-split adapter matrix its TP
+    sharding: Megatron's linear marks every entry but its weight and bias replicated. A gated
+    ``linear_fc1``'s B gets the SwiGLU factory of its weight (``[gate_r; up_r]`` per rank)."""
+    plain = base.sharded_state_dict
+
+    def sharded_state_dict(prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        out = plain(prefix, sharded_offsets, metadata)
+        adapter = base.lora
+        for key, param in adapter.named_parameters():
+            sharding, name = adapter.shardings[key], f"{prefix}lora.{key}"
+            if sharding.dim is None:
+                continue  # replicated over TP: Megatron's entry is right
+            entry = make_tp_sharded_tensor_for_checkpoint(param, out[name].key, tp_axis=sharding.dim,
+                                                          prepend_offsets=sharded_offsets)
+            if sharding.blocks == 2:
+                singleton = (metadata or {}).get("singleton_local_shards", False)
+                entry = apply_swiglu_sharded_factory(entry, sharded_offsets, singleton)
+            out[name] = entry
+        return out
+
+    base.sharded_state_dict = sharded_state_dict
 
 
 def named_adapters(model) -> Iterator[tuple[str, adapters.LoRAAdapter]]:
@@ -141,6 +170,33 @@ def set_adapter_weights(model, full: Mapping[str, torch.Tensor]) -> None:
             if f"{prefix}.{key}" not in full:
                 raise ConfigError(f"no value for the adapter matrix {prefix}.{key}")
             param.copy_(adapter.local(key, full[f"{prefix}.{key}"]))
+
+
+def has_adapters(model) -> bool:
+    """Whether ``model`` (any wrapper of a GPTModel) carries LoRA adapters."""
+    return any(True for _ in _adapted_layers(model))
+
+
+@contextmanager
+def adapters_off(model_chunks):
+    """Every adapter of ``model_chunks`` switched off for the ``with`` block: the chunks compute
+    the frozen base model (an adapter that is merged is refused: its update is in the weight)."""
+    layers = [layer for chunk in model_chunks for layer in _adapted_layers(chunk)]
+    if any(layer.lora.merged for layer in layers):
+        raise RuntimeError("adapters_off on merged adapters: unmerge first")
+    for layer in layers:
+        layer.lora.enabled = False
+    try:
+        yield model_chunks
+    finally:
+        for layer in layers:
+            layer.lora.enabled = True
+
+
+def is_merged(model) -> bool:
+    """Whether every adapter of ``model`` is merged into its base weight (False without any)."""
+    layers = list(_adapted_layers(model))
+    return bool(layers) and all(layer.lora.merged for layer in layers)
 
 
 def merge_lora(model) -> None:

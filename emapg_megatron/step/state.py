@@ -40,6 +40,7 @@ class TrainState:
 
     def prepare_to_load(self, path: str) -> None:
         """Check the checkpoint's anchor state (one clear line) and create the optimizer state."""
+        checkpointing.check_same_adapters(path, self.model_chunks)
         self.anchor.check_checkpoint(path)
         checkpointing.materialize_optimizer_state(self.model_chunks, self.optimizer)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from megatron.core.distributed import (
     DistributedDataParallel,
     DistributedDataParallelConfig,
@@ -43,8 +45,15 @@ def build_optimizer(model_chunks: list, optim: OptimConfig, prec: PrecisionConfi
 
 
 def build_model_and_optimizer(cfg: ModelConfig, optim: OptimConfig, prec: PrecisionConfig | None = None,
-                              *, sequence_parallel: bool = False, moe: MoEOptions | None = None):
+                              *, sequence_parallel: bool = False, moe: MoEOptions | None = None,
+                              lora=None, seed: int = 0):
     """Returns ``([ddp_model], optimizer)`` for this rank's TP/PP/DP position.
+
+    With ``lora`` (an enabled :class:`~emapg_megatron.lora.config.LoRAConfig`) the model takes its
+    adapters before DDP wraps it (``lora.apply.apply_lora``, A drawn from ``seed``): the base
+    weights are frozen, so DDP gives them no gradient buffer and the optimizer neither state nor
+    fp32 main copy; only the adapters train. Megatron's ``auto`` layers are then the local ones
+    (Transformer Engine's linears take no adapter yet). Load base weights afterwards.
 
     As in Megatron-LM's training loop, the model config carries Megatron's
     ``finalize_model_grads``, which the pipeline schedule calls after the last backward: the DP
@@ -52,9 +61,15 @@ def build_model_and_optimizer(cfg: ModelConfig, optim: OptimConfig, prec: Precis
     gradients of TP-replicated weights (qk-layernorm, and all norms under sequence parallelism).
     """
     prec = prec or PrecisionConfig()
+    if lora is not None and lora.enabled and prec.transformer_impl == "auto":
+        prec = replace(prec, transformer_impl="local")
     model = build_for_this_rank(cfg, prec, sequence_parallel=sequence_parallel, moe=moe)
     if prec.bf16:
         model = Float16Module(model.config, model)  # casts weights and activations to bf16
+    if lora is not None and lora.enabled:
+        from emapg_megatron.lora.apply import apply_lora
+
+        apply_lora(model, lora, seed=seed)
     model = wrap_ddp(model, use_distributed_optimizer=optim.use_distributed_optimizer)
     model.config.finalize_model_grads_func = finalize_model_grads
     return [model], build_optimizer([model], optim, prec)

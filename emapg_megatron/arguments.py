@@ -196,6 +196,17 @@ def _validate_teacher(cfg: RunConfig) -> None:
 
 def _validate_lora(cfg: RunConfig) -> None:
     """What LoRA (--lora-rank > 0) does not support yet, each refused in one line (docs/lora.md)."""
+    if cfg.lora.peft_init:
+        from emapg_megatron.lora.peft_format import read_peft_config
+
+        peft = read_peft_config(cfg.lora.peft_init)  # its config only: the weights are read at build
+        _check((peft.rank, peft.alpha) == (cfg.lora.rank, cfg.lora.alpha),
+               f"--lora-peft-init {cfg.lora.peft_init} is rank {peft.rank}, alpha {peft.alpha:g}: give "
+               f"--lora-rank {peft.rank} --lora-alpha {peft.alpha:g}")
+        _check(cfg.teacher.path or cfg.ema.eta < 1.0,
+               "--lora-peft-init with --ema-eta 1: that anchor is the base model without adapters, "
+               "which is the start only when B = 0; use --ema-eta below 1 (the EMA starts from the "
+               "adapter)")
     if not cfg.lora.enabled:
         return
     rank, prec = f"--lora-rank {cfg.lora.rank}", cfg.precision

@@ -50,6 +50,7 @@ from emapg_megatron.checkpoint.hf_io import TOKENIZER_VOCAB_FILES, has_tokenizer
 from emapg_megatron.checkpoint.safe_load import load_verified
 from emapg_megatron.errors import ConfigError
 from emapg_megatron.lora.apply import adapters_off
+from emapg_megatron.lora.peft_format import init_from_peft
 from emapg_megatron.models.config import ModelConfig
 from emapg_megatron.models.gpt import has_local_attention, unwrap, validate_precision
 from emapg_megatron.parallel.output_heads import output_head
@@ -289,6 +290,9 @@ def load_initial_weights(chunks, optimizer, cfg: RunConfig, model_cfg: ModelConf
         load_hf_weights(chunks, model_cfg, hf, progress=dist.get_rank() == 0)
         optimizer.reload_model_params()
         check_loaded_weights(chunks, f"--load-hf {hf}")
+    if cfg.lora.peft_init:  # the adapters to continue from, on the base just loaded
+        init_from_peft(chunks, cfg.lora, model_cfg)
+        optimizer.reload_model_params()
 
 
 def build_tokenizer_and_task(cfg: RunConfig):

@@ -42,7 +42,7 @@ ADDED = {"--overwrite", "--kl-reference-clamps", "--rollout-dump-interval", "--w
          "--moe-aux-loss-coeff", "--moe-z-loss-coeff", "--moe-router-dtype", "--moe-grouped-gemm",
          "--moe-routing-replay",
          # LoRA (issue 42)
-         "--lora-rank", "--lora-alpha", "--lora-dropout", "--lora-target-modules"}  # flags added since, on purpose
+         "--lora-rank", "--lora-alpha", "--lora-dropout", "--lora-target-modules", "--lora-peft-init"}  # flags added since, on purpose
 ADDED_ALIASES = {"--rl-partial-rollouts"}  # other names of added flags
 NEGATED = {"--no-task-reward", "--no-inference-fixed-shape-decode", "--no-inference-cuda-graphs",
            "--no-inference-continuous-batching"}  # the negations of added switches

@@ -2,6 +2,7 @@
 
     emapg-convert hf-to-mcore --hf-dir D --out M --tp T --pp P [--ep E] [--dtype bf16|fp32]
     emapg-convert mcore-to-hf --load M --out D [--hf-template D0]
+    emapg-convert lora-to-peft --load M --out A
     emapg-convert verify --hf-dir D --load M --tp T --pp P [--ep E]
 
 The flags are generated from one config per command (``emapg_megatron.configurable``: each
@@ -74,6 +75,19 @@ class McoreToHf:
 
 
 @dataclass
+class LoraToPeft:
+    """A LoRA run's adapters -> a peft adapter folder (adapter_config.json, adapter_model.safetensors)."""
+
+    load: str = option(path="dir")
+    """The LoRA run's checkpoint: its --save directory (the latest step) or one of its iter_N."""
+    out: str = option()
+    """The adapter folder to write (apart from --load); peft.PeftModel.from_pretrained loads it on
+    the base model, emapg-train --lora-peft-init continues from it."""
+    overwrite: bool = option(False)
+    """Replace an existing --out (written aside first, swapped in when complete)."""
+
+
+@dataclass
 class Verify:
     """Compare the logits of the HF model and the Megatron checkpoint (prints JSON)."""
 
@@ -98,7 +112,7 @@ class Verify:
     """Where the Megatron ranks run (the HF reference is always CPU fp32)."""
 
 
-COMMANDS = {"hf-to-mcore": HfToMcore, "mcore-to-hf": McoreToHf, "verify": Verify}
+COMMANDS = {"hf-to-mcore": HfToMcore, "mcore-to-hf": McoreToHf, "lora-to-peft": LoraToPeft, "verify": Verify}
 
 
 def _parser() -> configurable.ArgumentParser:
@@ -132,6 +146,8 @@ def _run(command: str, cfg) -> dict:
         return convert.mcore_to_hf(cfg.load, cfg.out, hf_template=cfg.hf_template,
                                    max_shard_bytes=max(1, int(cfg.max_shard_size_gb * 1024**3)),
                                    overwrite=cfg.overwrite, progress=not cfg.no_progress)
+    if command == "lora-to-peft":
+        return convert.lora_to_peft(cfg.load, cfg.out, overwrite=cfg.overwrite)
     return verify.verify(cfg.hf_dir, cfg.load, tp=cfg.tp, pp=cfg.pp, ep=cfg.ep, batch=cfg.batch,
                          seq_len=cfg.seq_len, seed=cfg.seed, device=cfg.device)
 

@@ -299,21 +299,55 @@ def single_process_runtime():
             runtime.destroy()
 
 
+def _recorded_lora(lora: dict, step_dir: str):
+    """The ``LoRAConfig`` a LoRA run's checkpoint records (``build.model_metadata``)."""
+    from emapg_megatron.lora.config import LoRAConfig
+
+    try:
+        return LoRAConfig(rank=int(lora["rank"]), alpha=float(lora["alpha"]),
+                          target_modules=tuple(str(t) for t in lora["target_modules"]))
+    except (KeyError, TypeError, ValueError) as e:
+        raise ConfigError(f"{step_dir}/{METADATA}: corrupt lora entry ({type(e).__name__}: {e})") from None
+
+
+def _with_adapters(model, lora: dict, step_dir: str):
+    """Load a LoRA run's checkpoint (base and adapters) into ``model``; its LoRAConfig."""
+    from emapg_megatron.lora.apply import apply_lora
+
+    cfg = _recorded_lora(lora, step_dir)
+    apply_lora(model, cfg)
+    load_mcore([model], step_dir)
+    return cfg
+
+
 def _merged_adapters(model, lora: dict, step_dir: str) -> None:
     """Load a LoRA run's checkpoint (base and adapters) into ``model`` and fold the adapters into
     its weights (``lora.apply.merge_lora``: W += (alpha / rank) B A, in fp32, rounded once to the
     model's dtype), so the export is the adapted model as plain HF weights."""
-    from emapg_megatron.lora.apply import apply_lora, merge_lora
-    from emapg_megatron.lora.config import LoRAConfig
+    from emapg_megatron.lora.apply import merge_lora
 
-    try:
-        cfg = LoRAConfig(rank=int(lora["rank"]), alpha=float(lora["alpha"]),
-                         target_modules=tuple(str(t) for t in lora["target_modules"]))
-    except (KeyError, TypeError, ValueError) as e:
-        raise ConfigError(f"{step_dir}/{METADATA}: corrupt lora entry ({type(e).__name__}: {e})") from None
-    apply_lora(model, cfg)
-    load_mcore([model], step_dir)
+    _with_adapters(model, lora, step_dir)
     merge_lora(model)
+
+
+def lora_to_peft(load: str | Path, out: str | Path, *, overwrite: bool = False) -> dict:
+    """A LoRA run's adapters (the checkpoint of ``load``: a ``--save`` directory's latest step or
+    one of its ``iter_N``) as a peft adapter folder for the base model the run started from.
+    Returns a summary dict."""
+    from emapg_megatron.lora.peft_format import gathered_adapters, save_peft
+
+    step_dir = training_step_dir(load)
+    meta, cfg = checked_checkpoint(step_dir, lora=True)
+    if meta.get("lora") is None:
+        raise ConfigError(f"{step_dir} is not a LoRA run's checkpoint (no adapters to export): "
+                          "emapg-convert mcore-to-hf exports its model")
+    check_output_apart(out, {"--load": load})
+    with atomic_dir(out, overwrite=overwrite) as tmp, single_process_runtime():
+        model = _build_tp1(cfg, meta.get("saved_tp", 1), meta.get("dtype") or "fp32")
+        lora = _with_adapters(model, meta["lora"], step_dir)
+        adapters = gathered_adapters(model)
+        save_peft(tmp, lora, adapters, cfg, base=meta.get("hf_dir"))
+    return {"out": str(out), "adapter_matrices": len(adapters), "rank": lora.rank, "alpha": lora.alpha}
 
 
 def _build_tp1(cfg: ModelConfig, tp: int, dtype: str):

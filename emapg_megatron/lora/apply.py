@@ -142,6 +142,18 @@ def adapter_parameters(model) -> Iterator[tuple[str, torch.nn.Parameter, adapter
             yield f"{prefix}.{key}", param, adapter.shardings[key]
 
 
+def adapter_shapes(model) -> dict[str, tuple[int, ...]]:
+    """The whole (one-rank) shape of every adapter matrix of this model stage, by global name."""
+    out = {}
+    for prefix, adapter in named_adapters(model):
+        for key, param in adapter.named_parameters():
+            shape, dim = list(param.shape), adapter.shardings[key].dim
+            if dim is not None:
+                shape[dim] *= adapter.tp
+            out[f"{prefix}.{key}"] = tuple(shape)
+    return out
+
+
 def name_seed(seed: int, name: str) -> int:
     """A generator seed from the run's seed and a global parameter name: the same on every rank
     and layout, different for every matrix."""

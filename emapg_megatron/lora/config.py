@@ -67,6 +67,10 @@ class LoRAConfig:
     linear_fc2) or Hugging Face ones (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
     down_proj), space- or comma-separated. q/k/v and gate/up are fused layers in Megatron: name
     all of a fused layer's projections or none."""
+    peft_init: str | None = option(None, flag="--lora-peft-init", path="dir")
+    """Start the adapters from a peft LoRA folder (adapter_config.json + adapter_model.safetensors,
+    e.g. emapg-convert lora-to-peft's) instead of A random, B = 0: continue training it. Its rank
+    and alpha must be the flags'; the EMA anchor starts from it."""
 
     @property
     def enabled(self) -> bool:

@@ -111,11 +111,13 @@ def peft_config(cfg: LoRAConfig, adapters: Mapping[str, torch.Tensor], model_cfg
 
 def save_peft(out_dir: str | Path, cfg: LoRAConfig, adapters: Mapping[str, torch.Tensor],
               model_cfg: ModelConfig, base: str | None = None) -> None:
-    """Write ``out_dir`` (a new folder) in peft's format."""
+    """Write ``out_dir`` (a new or empty folder) in peft's format."""
     from safetensors.torch import save_file
 
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=False)
+    out.mkdir(parents=True, exist_ok=True)
+    if any(out.iterdir()):
+        raise ConfigError(f"{out} is not empty: the adapter folder is written afresh")
     save_file(to_peft(adapters, model_cfg), str(out / WEIGHTS_FILE), metadata={"format": "pt"})
     (out / CONFIG_FILE).write_text(json.dumps(peft_config(cfg, adapters, model_cfg, base), indent=2) + "\n")
 
@@ -123,13 +125,13 @@ def save_peft(out_dir: str | Path, cfg: LoRAConfig, adapters: Mapping[str, torch
 def read_peft_config(adapter_dir: str | Path) -> LoRAConfig:
     """The rank, alpha and dropout of a peft LoRA folder, checked (one line for anything else: a
     non-LoRA peft type, rsLoRA, fan-in-fan-out weights, biases trained, per-module ranks)."""
+    from emapg_megatron.checkpoint.safe_load import read_json
+
     path = Path(adapter_dir) / CONFIG_FILE
-    if not path.is_file() or path.stat().st_size > MAX_CONFIG_BYTES:
+    if not os.path.lexists(path):
         raise ConfigError(f"{adapter_dir}: no {CONFIG_FILE} (a peft adapter folder has one)")
-    try:
-        cfg = json.loads(path.read_text())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path}: not JSON ({e})") from None
+    # a regular file of bounded size inside the folder (not a link out of it, not a pipe)
+    cfg = read_json(str(path), MAX_CONFIG_BYTES, "invalid JSON in", root=str(adapter_dir))
     if not isinstance(cfg, dict) or cfg.get("peft_type") != "LORA":
         raise ConfigError(f"{path}: peft_type {shown(cfg.get('peft_type') if isinstance(cfg, dict) else cfg)}, "
                           "not LORA")
@@ -184,6 +186,18 @@ def load_peft(adapter_dir: str | Path, model_cfg: ModelConfig,
         raise ConfigError(f"the peft adapter holds tensors this model does not adapt: {shown(extra[:3])}"
                           + (f" (and {len(extra) - 3} more)" if len(extra) > 3 else ""))
     return cfg, from_peft(state, model_cfg, shapes)
+
+
+@torch.no_grad()
+def init_from_peft(model_chunks, lora: LoRAConfig, model_cfg: ModelConfig) -> None:
+    """Set every chunk's adapters from the peft folder ``lora.peft_init`` (--lora-peft-init; its
+    rank and alpha were checked against the run's with the flags). Call before the optimizer's
+    main params and the EMA are taken from the weights."""
+    from emapg_megatron.lora.apply import adapter_shapes, set_adapter_weights
+
+    for chunk in model_chunks:
+        _, full = load_peft(lora.peft_init, model_cfg, adapter_shapes(chunk))
+        set_adapter_weights(chunk, full)
 
 
 def gathered_adapters(model) -> dict[str, torch.Tensor]:

@@ -221,6 +221,13 @@ def test_verify_takes_a_save_folder(made, ckpt, tmp_path):
     assert result["max_abs_logit_diff"] < 1e-3 and result["top1_agreement"] == 1.0
 
 
+def test_lora_to_peft_of_a_checkpoint_without_adapters_is_one_line(made, tmp_path):
+    assert refused("lora-to-peft", "--load", made["mcore"], "--out", tmp_path / "adapter") == (
+        f"error: {made['mcore']} is not a LoRA run's checkpoint (no adapters to export): emapg-convert "
+        "mcore-to-hf exports its model")
+    assert not (tmp_path / "adapter").exists()
+
+
 def test_a_folder_that_is_no_checkpoint_is_said_so(tmp_path, made):
     (tmp_path / "empty").mkdir()
     assert refused("verify", "--hf-dir", made["hf"], "--load", tmp_path / "empty") == (
@@ -232,7 +239,7 @@ def test_every_option_has_help_and_the_help_is_plain_text():
     top = parser.format_help()
     assert "``" not in top and "emapg-convert" in top
     commands = next(a for a in parser._actions if a.choices and isinstance(a.choices, dict)).choices
-    assert set(commands) == {"hf-to-mcore", "mcore-to-hf", "verify"}
+    assert set(commands) == {"hf-to-mcore", "mcore-to-hf", "lora-to-peft", "verify"}
     for name, sub in commands.items():
         undocumented = [a.option_strings[0] for a in sub._actions
                         if a.option_strings and a.option_strings[0] != "-h" and not (a.help or "").strip()]

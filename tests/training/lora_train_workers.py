@@ -178,3 +178,30 @@ def export_merged(ckpt: str, out: str, vocab: int, seq: int = 8):
     tokens = (torch.arange(2 * seq).view(2, seq) * 7 + 3) % vocab
     with torch.no_grad():
         return model(tokens).logits.float()
+
+
+def export_peft(ckpt: str, out: str, base: str, vocab: int, seq: int = 8):
+    """``emapg-convert lora-to-peft`` of a LoRA run's checkpoint, loaded by peft on the HF base
+    model: its logits of :func:`_local_logits`'s batch."""
+    import peft
+    import transformers
+
+    from emapg_megatron.checkpoint import cli
+
+    assert cli.main(["lora-to-peft", "--load", ckpt, "--out", out]) == 0
+    model = peft.PeftModel.from_pretrained(
+        transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), out).eval()
+    tokens = (torch.arange(2 * seq).view(2, seq) * 7 + 3) % vocab
+    with torch.no_grad():
+        return model(tokens).logits.float()
+
+
+def continue_from_peft(argv: list, steps: int) -> dict:
+    """A run started from a peft adapter (--lora-peft-init): its logits before any step, then
+    ``steps`` trainer steps."""
+    from emapg_megatron import build
+
+    inputs = build.prepare(argv)
+    trainer = build.build_trainer(inputs)
+    logits = _local_logits(trainer.model_chunks, inputs.model_cfg.vocab_size)
+    return {"logits": logits, "metrics": [trainer.step(i).metrics for i in range(1, steps + 1)]}

@@ -15,7 +15,9 @@ import sys
 import pytest
 import torch
 from lora_train_workers import (
+    continue_from_peft,
     export_merged,
+    export_peft,
     lora_resume,
     lora_save_and_continue,
     lora_state,
@@ -250,6 +252,21 @@ def test_a_lora_checkpoint_exports_merged(saved, resumed_at_one_rank, tmp_path):
     assert (ours - base).abs().max() > 100 * (hf - ours).abs().max()  # the adapters moved the logits
 
 
+def test_a_lora_checkpoint_exports_to_peft_and_training_continues_from_it(hf_models, saved,
+                                                                         resumed_at_one_rank, tmp_path):
+    """emapg-convert lora-to-peft: peft on the HF base model computes the adapted model's logits;
+    --lora-peft-init starts a run from the folder with exactly those adapters, and it trains."""
+    ckpt, _ = saved
+    hf, adapter = hf_models["qwen2-tied-gqa-bias"], str(tmp_path / "adapter")
+    logits = run_distributed(export_peft, 1, args=(ckpt, adapter, hf, 16), timeout=300)[0]
+    ours = resumed_at_one_rank["logits"][..., :16]
+    assert (logits - ours).abs().max() <= 1e-4 * ours.abs().max()
+    (out,) = run_distributed(continue_from_peft, 1, args=([*argv(hf), "--lora-peft-init", adapter], 1),
+                             timeout=300)
+    assert torch.equal(out["logits"], resumed_at_one_rank["logits"])  # the checkpoint's adapters exactly
+    assert out["metrics"][0]["kl"] == 0 and out["metrics"][0]["ema_lag"] > 0  # the EMA starts from them
+
+
 def test_a_lora_checkpoint_is_refused_where_it_would_lose_its_adapters(saved):
     """--teacher-checkpoint and --pretrained-checkpoint read a checkpoint as a model: a LoRA
     run's is refused in one line."""
@@ -296,6 +313,20 @@ def _dry_run(*extra):
 ])
 def test_each_refusal_is_one_line_before_any_work(extra, line):
     assert _dry_run(*extra) == (2, f"error: {line}")
+
+
+@pytest.mark.parametrize("config, extra, line", [
+    ({"r": 4, "lora_alpha": 32}, [], "--lora-peft-init {d} is rank 4, alpha 32: give --lora-rank 4 --lora-alpha 32"),
+    ({"r": 8, "lora_alpha": 32}, ["--ema-eta", "1"], "--lora-peft-init with --ema-eta 1: that anchor is the base "
+     "model without adapters, which is the start only when B = 0; use --ema-eta below 1 (the EMA starts from "
+     "the adapter)"),
+    ({"r": 8, "lora_alpha": 32, "peft_type": "IA3"}, [], "{d}/adapter_config.json: peft_type 'IA3', not LORA"),
+    ({"r": 8, "lora_alpha": 32, "use_dora": True}, [],
+     "{d}/adapter_config.json: use_dora=True is not supported (plain LoRA only)"),
+])
+def test_a_peft_init_it_cannot_continue_is_one_line_before_any_work(tmp_path, config, extra, line):
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", **config}))
+    assert _dry_run("--lora-peft-init", str(tmp_path), *extra) == (2, "error: " + line.format(d=tmp_path))
 
 
 def test_lora_dry_run_says_what_trains():

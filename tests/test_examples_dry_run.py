@@ -43,8 +43,9 @@ def test_every_example_is_covered():
     covered = {"math_deepscaler_1.5b.sh", "math_deepscaler_1.5b_k3.sh", "math_deepscaler_1.5b_fp8.sh",
                "search_r1_qwen2.5_3b.sh", "eval_math.sh", "eval_search.sh"}
     # the CPU demos run in full; the MoE demo's preset is trained by tests/training/test_moe_trainer.py
-    # and its report is tests/test_moe_report.py's
-    assert scripts - {"tiny_cpu.sh", "opd_tiny_cpu.sh", "moe_tiny_cpu.sh"} == covered
+    # and its report is tests/test_moe_report.py's; the LoRA demo's preset is checked by
+    # tests/training/test_lora_trainer.py (its LoRA runs are that file's) and its report is tiny_cpu.sh's
+    assert scripts - {"tiny_cpu.sh", "opd_tiny_cpu.sh", "moe_tiny_cpu.sh", "lora_tiny_cpu.sh"} == covered
 
 
 def _model_dir(tmp_path, config: dict) -> str:

@@ -197,7 +197,7 @@ def _validate_teacher(cfg: RunConfig) -> None:
 def _validate_lora(cfg: RunConfig) -> None:
     """What LoRA (--lora-rank > 0) does not support yet, each refused in one line (docs/lora.md)."""
     if cfg.lora.peft_init:
-        from emapg_megatron.lora.peft_format import read_peft_config
+        from emapg_megatron.checkpoint.peft_format import read_peft_config
 
         peft = read_peft_config(cfg.lora.peft_init)  # its config only: the weights are read at build
         _check((peft.rank, peft.alpha) == (cfg.lora.rank, cfg.lora.alpha),

@@ -47,10 +47,10 @@ from emapg_megatron.checkpoint.hf_config import (
     read_hf_config,
 )
 from emapg_megatron.checkpoint.hf_io import TOKENIZER_VOCAB_FILES, has_tokenizer
+from emapg_megatron.checkpoint.peft_format import init_from_peft
 from emapg_megatron.checkpoint.safe_load import load_verified
 from emapg_megatron.errors import ConfigError
 from emapg_megatron.lora.apply import adapters_off
-from emapg_megatron.lora.peft_format import init_from_peft
 from emapg_megatron.models.config import ModelConfig
 from emapg_megatron.models.gpt import has_local_attention, unwrap, validate_precision
 from emapg_megatron.parallel.output_heads import output_head

@@ -15,7 +15,9 @@ Conversion, with one mapping table:
 * :mod:`.hf_config`  - HF ``config.json`` <-> :class:`~emapg_megatron.models.config.ModelConfig`
 * :mod:`.hf_io`      - lazy safetensors reading, sharded safetensors writing
 * :mod:`.weights`    - :func:`load_hf_weights` (``--load-hf``), :func:`export_hf_weights` (weight sync)
-* :mod:`.convert`    - ``hf-to-mcore`` / ``mcore-to-hf``, atomic ``torch_dist`` save / load
+* :mod:`.convert`    - ``hf-to-mcore`` / ``mcore-to-hf`` / ``lora-to-peft``, atomic ``torch_dist``
+  save / load
+* :mod:`.peft_format` - LoRA adapters in peft's format (export, import, ``--lora-peft-init``)
 * :mod:`.verify`     - logit comparison against ``transformers``
 * :mod:`.cli`        - ``emapg-convert``
 

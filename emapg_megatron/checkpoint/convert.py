@@ -334,7 +334,7 @@ def lora_to_peft(load: str | Path, out: str | Path, *, overwrite: bool = False) 
     """A LoRA run's adapters (the checkpoint of ``load``: a ``--save`` directory's latest step or
     one of its ``iter_N``) as a peft adapter folder for the base model the run started from.
     Returns a summary dict."""
-    from emapg_megatron.lora.peft_format import gathered_adapters, save_peft
+    from emapg_megatron.checkpoint.peft_format import gathered_adapters, save_peft
 
     step_dir = training_step_dir(load)
     meta, cfg = checked_checkpoint(step_dir, lora=True)

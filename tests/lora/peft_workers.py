@@ -47,7 +47,7 @@ def export_job(hf_dir: str, out_dir: str | None, full: dict | None = None) -> di
     from lora_workers import batch, forward, lora_config
     from megatron.core import parallel_state as ps
 
-    from emapg_megatron.lora.peft_format import gathered_adapters, save_peft
+    from emapg_megatron.checkpoint.peft_format import gathered_adapters, save_peft
 
     model, cfg, random_adapters, set_adapter_weights = _lora_model(hf_dir)
     full = random_adapters(model) if full is None else full

@@ -43,7 +43,7 @@ def test_peft_loads_the_export_with_the_megatron_logits(exported):
 
 def test_the_export_reads_back_bit_for_bit_and_tp2_gathers_the_one_rank_matrices(exported):
     from emapg_megatron.checkpoint.hf_config import model_config_from_hf, read_hf_config
-    from emapg_megatron.lora.peft_format import load_peft
+    from emapg_megatron.checkpoint.peft_format import load_peft
 
     one = exported["one"]
     cfg, _ = model_config_from_hf(read_hf_config(exported["hf"]))
@@ -86,7 +86,7 @@ V_B = "base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight"
 ])
 def test_a_bad_adapter_folder_is_one_line(exported, tmp_path, config, state, message):
     from emapg_megatron.checkpoint.hf_config import model_config_from_hf, read_hf_config
-    from emapg_megatron.lora.peft_format import load_peft
+    from emapg_megatron.checkpoint.peft_format import load_peft
 
     cfg, _ = model_config_from_hf(read_hf_config(exported["hf"]))
     folder = _copy(exported, tmp_path, config, state)
@@ -97,7 +97,7 @@ def test_a_bad_adapter_folder_is_one_line(exported, tmp_path, config, state, mes
 
 def test_pickled_weights_are_never_read(exported, tmp_path):
     from emapg_megatron.checkpoint.hf_config import model_config_from_hf, read_hf_config
-    from emapg_megatron.lora.peft_format import load_peft
+    from emapg_megatron.checkpoint.peft_format import load_peft
 
     cfg, _ = model_config_from_hf(read_hf_config(exported["hf"]))
     folder = _copy(exported, tmp_path)

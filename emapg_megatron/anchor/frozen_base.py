@@ -16,10 +16,11 @@ from contextlib import AbstractContextManager, contextmanager
 
 import torch
 
+from emapg_megatron.anchor.protocol import FixedAnchor
 from emapg_megatron.anchor.swap import _RngState
 
 
-class FrozenBaseAnchor:
+class FrozenBaseAnchor(FixedAnchor):
     """The anchor pass on ``model_chunks`` inside ``switched_off(model_chunks)`` (no state, no
     update)."""
 
@@ -39,20 +40,5 @@ class FrozenBaseAnchor:
         finally:
             rng.restore()
 
-    def step(self, iteration: int) -> bool:
-        return False  # the fixed reference
-
     def metrics(self) -> dict:
         return {}
-
-    def named_tensors(self):
-        return iter(())
-
-    def sharded_state_dict(self, model_sharded_state_dict: dict | None = None) -> dict:
-        return {}
-
-    def check_checkpoint(self, ckpt_dir: str) -> None:
-        pass
-
-    def load_state_dict(self, loaded: dict) -> None:
-        pass

@@ -37,3 +37,24 @@ class Anchor(Protocol):
 
     def load_state_dict(self, loaded: dict) -> None:
         """Take what a load of :meth:`sharded_state_dict` returned."""
+
+
+class FixedAnchor:
+    """The stateless half of :class:`Anchor` for a fixed reference (a frozen teacher, the frozen
+    base): no update, nothing owned, nothing to save or load. Subclasses give ``model`` and
+    ``metrics``."""
+
+    def step(self, iteration: int) -> bool:
+        return False
+
+    def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter(())
+
+    def sharded_state_dict(self, model_sharded_state_dict: dict | None = None) -> dict:
+        return {}
+
+    def check_checkpoint(self, ckpt_dir: str) -> None:
+        pass
+
+    def load_state_dict(self, loaded: dict) -> None:
+        pass

@@ -23,6 +23,7 @@ from dataclasses import replace
 from megatron.core.transformer.module import Float16Module
 
 from emapg_megatron.anchor.config import TeacherConfig
+from emapg_megatron.anchor.protocol import FixedAnchor
 from emapg_megatron.checkpoint import load_hf_weights
 from emapg_megatron.checkpoint.convert import (
     checkpoint_model_config,
@@ -96,7 +97,7 @@ def check_same_tokenizer(teacher: TeacherConfig, student_tokenizer) -> None:
                           "strings): distillation needs the same tokenizer")
 
 
-class Teacher:
+class Teacher(FixedAnchor):  # a frozen teacher: no update, no state of its own to save
     """The frozen teacher on this rank: its model chunks, as an
     :class:`~emapg_megatron.anchor.protocol.Anchor`."""
 
@@ -145,22 +146,6 @@ class Teacher:
     def metrics(self) -> dict:
         """The last teacher pass's seconds (its share of the step's time)."""
         return {"teacher_pass_s": self.pass_seconds}
-
-    # the anchor interface: a frozen teacher has no update and no state of its own to save
-    def step(self, iteration: int) -> bool:
-        return False
-
-    def named_tensors(self):
-        return iter(())
-
-    def sharded_state_dict(self, model_sharded_state_dict: dict | None = None) -> dict:
-        return {}
-
-    def check_checkpoint(self, ckpt_dir: str) -> None:
-        pass
-
-    def load_state_dict(self, loaded: dict) -> None:
-        pass
 
     def memory_bytes(self) -> int:
         """Bytes of the teacher's weights on this rank."""

@@ -329,18 +329,21 @@ def test_a_peft_init_it_cannot_continue_is_one_line_before_any_work(tmp_path, co
     assert _dry_run("--lora-peft-init", str(tmp_path), *extra) == (2, "error: " + line.format(d=tmp_path))
 
 
-def test_the_lora_demo_preset_passes_every_check():
-    """examples/lora_tiny_cpu.sh's --preset lora-tiny-cpu, on its 2 ranks, with its --save."""
+def _dry_run_summary(*argv) -> str:
+    """What ``emapg-train ARGV --dry-run --world-size 2`` prints."""
     out = io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
         with contextlib.suppress(SystemExit):
-            train.main(["--preset", "lora-tiny-cpu", "--dry-run", "--world-size", "2", "--save", "/tmp/x/ckpt"])
-    assert "LoRA rank 8 (alpha 16) on linear_qkv linear_proj linear_fc1 linear_fc2, base frozen" in out.getvalue()
+            train.main([*argv, "--dry-run", "--world-size", "2"])
+    return out.getvalue()
+
+
+def test_the_lora_demo_preset_passes_every_check(tmp_path):
+    """examples/lora_tiny_cpu.sh's --preset lora-tiny-cpu, on its 2 ranks, with its --save."""
+    assert ("LoRA rank 8 (alpha 16) on linear_qkv linear_proj linear_fc1 linear_fc2, base frozen"
+            in _dry_run_summary("--preset", "lora-tiny-cpu", "--save", str(tmp_path / "ckpt")))
 
 
 def test_lora_dry_run_says_what_trains():
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
-        with contextlib.suppress(SystemExit):
-            train.main(["--preset", "tiny-cpu", "--dry-run", "--world-size", "2", "--lora-rank", "8"])
-    assert "LoRA rank 8 (alpha 32) on linear_qkv linear_proj linear_fc1 linear_fc2, base frozen" in out.getvalue()
+    assert ("LoRA rank 8 (alpha 32) on linear_qkv linear_proj linear_fc1 linear_fc2, base frozen"
+            in _dry_run_summary("--preset", "tiny-cpu", "--lora-rank", "8"))

@@ -85,11 +85,16 @@ def from_peft(state: Mapping[str, torch.Tensor], model_cfg: ModelConfig,
             raise ConfigError(f"the peft adapter's {name}: shape {tuple(value.shape)}, the model's {tuple(shape)} "
                               "(another rank or base model?)")
         out[name] = value.float().clone()
-    extra = sorted(set(state) - used)
-    if extra:
-        raise ConfigError(f"the peft adapter holds tensors this model does not adapt: {shown(extra[:3])}"
-                          + (f" (and {len(extra) - 3} more)" if len(extra) > 3 else ""))
+    _refuse_unadapted(set(state) - used)
     return out
+
+
+def _refuse_unadapted(extra: set[str]) -> None:
+    """One line naming peft tensors the model has no adapter for."""
+    if extra:
+        names = sorted(extra)
+        raise ConfigError(f"the peft adapter holds tensors this model does not adapt: {shown(names[:3])}"
+                          + (f" (and {len(names) - 3} more)" if len(names) > 3 else ""))
 
 
 def _peft_key(hf_weight: str, matrix: str) -> str:
@@ -181,10 +186,7 @@ def load_peft(adapter_dir: str | Path, model_cfg: ModelConfig,
             state = {k: handle.get_tensor(k) for k in stored if k in expected}
     except (SafetensorError, OSError) as e:
         raise ConfigError(f"corrupt safetensors file {weights}: {first_line(e)}") from None
-    extra = sorted(set(stored) - set(expected))
-    if extra:
-        raise ConfigError(f"the peft adapter holds tensors this model does not adapt: {shown(extra[:3])}"
-                          + (f" (and {len(extra) - 3} more)" if len(extra) > 3 else ""))
+    _refuse_unadapted(set(stored) - set(expected))  # the state below holds only the expected ones
     return cfg, from_peft(state, model_cfg, shapes)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import time
 import warnings
 from dataclasses import dataclass, replace
 
@@ -47,10 +48,12 @@ from emapg_megatron.checkpoint.hf_config import (
     read_hf_config,
 )
 from emapg_megatron.checkpoint.hf_io import TOKENIZER_VOCAB_FILES, has_tokenizer
+from emapg_megatron.checkpoint.lora_base import BaseRecord
 from emapg_megatron.checkpoint.peft_format import init_from_peft
 from emapg_megatron.checkpoint.safe_load import load_verified
 from emapg_megatron.errors import ConfigError
 from emapg_megatron.lora.apply import adapters_off
+from emapg_megatron.lora.config import is_adapter_name
 from emapg_megatron.models.config import ModelConfig
 from emapg_megatron.models.gpt import has_local_attention, unwrap, validate_precision
 from emapg_megatron.parallel.output_heads import output_head
@@ -73,6 +76,7 @@ from emapg_megatron.tasks import get_task
 from emapg_megatron.tasks.synthetic import CharTokenizer, CopyTask
 from emapg_megatron.trainer import Trainer
 from emapg_megatron.training import packing, prompt_cache
+from emapg_megatron.training.collectives import on_rank0
 from emapg_megatron.training.config import OptimConfig
 from emapg_megatron.training.model_and_optimizer import build_model_and_optimizer
 from emapg_megatron.training.optimizer_step import check_loaded_weights
@@ -201,6 +205,10 @@ def summarize(inputs: RunInputs) -> str:
 def build_trainer(inputs: RunInputs) -> Trainer:
     """The run's components on this rank (call after ``runtime.initialize``)."""
     cfg, model_cfg = inputs.config, inputs.model_cfg
+    base = lora_base(cfg)
+    if cfg.checkpoint.load:  # before the base is read: a checkpoint this run cannot resume is one line
+        step = checkpointing.agreed_latest_iteration(cfg.checkpoint.load)
+        checkpointing.check_same_model(checkpointing.iteration_dir(cfg.checkpoint.load, step), cfg.lora.enabled, base)
     chunks, optimizer = build_model_and_optimizer(model_cfg, cfg.optim, cfg.precision,
                                                   sequence_parallel=cfg.parallel.sequence_parallel, moe=cfg.moe,
                                                   lora=cfg.lora, seed=cfg.loop.seed)
@@ -224,7 +232,8 @@ def build_trainer(inputs: RunInputs) -> Trainer:
     sampler_routes = routing.record_dtype if routing and not cfg.partial_rollouts.enabled else None
     engine = build_rollout_engine(cfg, chunks, model_cfg, inputs.tokenizer, route_dtype=sampler_routes)
     collector = build_collector(inputs, engine)
-    state = TrainState(chunks, optimizer, scheduler, build_anchor(inputs, chunks, optimizer), collector)
+    state = TrainState(chunks, optimizer, scheduler, build_anchor(inputs, chunks, optimizer), collector,
+                       lora_base=base)
     return Trainer(state=state, collector=collector, engine=engine, task=inputs.task, monitor=monitor,
                    passes=PolicyPasses(cfg.kl, cfg.loss, model_cfg.vocab_size, head), step_cfg=cfg.step,
                    routing=routing)
@@ -277,11 +286,34 @@ def evaluation(inputs: RunInputs, trainer: Trainer):
     return lambda step: held_out(step) if ev.due(step) else {}
 
 
+def base_source(cfg: RunConfig) -> tuple[str, str] | None:
+    """``(flag, folder)`` the model's starting weights come from (--pretrained-checkpoint before
+    --load-hf), or None (a random init)."""
+    if cfg.model.pretrained_checkpoint:
+        return "--pretrained-checkpoint", cfg.model.pretrained_checkpoint
+    return ("--load-hf", cfg.model.load_hf) if cfg.model.load_hf else None
+
+
+def lora_base(cfg: RunConfig) -> BaseRecord | None:
+    """A LoRA run's base, when it comes from files: each weight file hashed once, on global rank 0
+    (its checkpoints then hold the adapters alone and record it: checkpoint/lora_base.py). None
+    without LoRA or for a random base (saved with the adapters)."""
+    source = base_source(cfg) if cfg.lora.enabled else None
+    if source is None:
+        return None
+    start = time.monotonic()
+    record = on_rank0(lambda: BaseRecord.of(*source))
+    log0(f"LoRA base {record.describe()}: {len(record.files)} weight file(s) hashed in "
+         f"{time.monotonic() - start:.1f} s; checkpoints hold the adapters and name this base")
+    return record
+
+
 def load_initial_weights(chunks, optimizer, cfg: RunConfig, model_cfg: ModelConfig) -> None:
-    """--pretrained-checkpoint's or --load-hf's weights (else the random init stays); none with
-    --load, whose checkpoint then replaces every weight (reading them first would only cost time)."""
+    """--pretrained-checkpoint's or --load-hf's weights (else the random init stays). With --load,
+    only a LoRA run's base (its checkpoint holds the adapters alone); a checkpoint of any other
+    run replaces every weight (reading them first would only cost time)."""
     path, hf = cfg.model.pretrained_checkpoint, cfg.model.load_hf
-    if cfg.checkpoint.load:
+    if cfg.checkpoint.load and not (cfg.lora.enabled and base_source(cfg)):
         return
     if path:
         load_pretrained(chunks, optimizer, path)
@@ -290,7 +322,7 @@ def load_initial_weights(chunks, optimizer, cfg: RunConfig, model_cfg: ModelConf
         load_hf_weights(chunks, model_cfg, hf, progress=dist.get_rank() == 0)
         optimizer.reload_model_params()
         check_loaded_weights(chunks, f"--load-hf {hf}")
-    if cfg.lora.peft_init:  # the adapters to continue from, on the base just loaded
+    if cfg.lora.peft_init and not cfg.checkpoint.load:  # the adapters to continue from, on the base just loaded
         init_from_peft(chunks, cfg.lora, model_cfg)
         optimizer.reload_model_params()
 
@@ -480,10 +512,10 @@ def load_pretrained(chunks, optimizer, path: str) -> None:
     (``<linear>.lora.A`` / ``.lora.B``) are not in such a checkpoint: they keep their init."""
     gpt = unwrap(chunks[0])
     every = gpt.sharded_state_dict()
-    base = {k: v for k, v in every.items() if ".lora." not in k}
+    base = {k: v for k, v in every.items() if not is_adapter_name(k)}
     missing, _ = gpt.load_state_dict(load_verified(base, path), strict=len(base) == len(every))  # nothing in it may run
-    if any(".lora." not in k for k in missing):
-        raise ConfigError(f"--pretrained-checkpoint {path} lacks {', '.join(k for k in missing if '.lora.' not in k)}")
+    if any(not is_adapter_name(k) for k in missing):
+        raise ConfigError(f"--pretrained-checkpoint {path} lacks {', '.join(k for k in missing if not is_adapter_name(k))}")
     optimizer.reload_model_params()
 
 

@@ -1,7 +1,7 @@
 """``emapg-convert`` (also ``tools/convert_checkpoint.py``): HF <-> Megatron-Core checkpoints.
 
     emapg-convert hf-to-mcore --hf-dir D --out M --tp T --pp P [--ep E] [--dtype bf16|fp32]
-    emapg-convert mcore-to-hf --load M --out D [--hf-template D0]
+    emapg-convert mcore-to-hf --load M --out D [--hf-template D0] [--lora-base B]
     emapg-convert lora-to-peft --load M --out A
     emapg-convert verify --hf-dir D --load M --tp T --pp P [--ep E]
 
@@ -68,6 +68,9 @@ class McoreToHf:
     folder the training run recorded, when it is still there)."""
     max_shard_size_gb: float = option(5.0, range=above(0))
     """Largest safetensors shard, in GiB (a larger tensor gets a shard of its own)."""
+    lora_base: str | None = option(None, path="dir")
+    """A LoRA run whose checkpoint holds the adapters alone: the folder of their base, when it is no
+    longer where the run recorded it (its weight files must have the recorded sha256)."""
     overwrite: bool = option(False)
     """Replace an existing --out (written aside first, swapped in when complete)."""
     no_progress: bool = option(False)
@@ -145,7 +148,8 @@ def _run(command: str, cfg) -> dict:
     if command == "mcore-to-hf":
         return convert.mcore_to_hf(cfg.load, cfg.out, hf_template=cfg.hf_template,
                                    max_shard_bytes=max(1, int(cfg.max_shard_size_gb * 1024**3)),
-                                   overwrite=cfg.overwrite, progress=not cfg.no_progress)
+                                   overwrite=cfg.overwrite, progress=not cfg.no_progress,
+                                   lora_base=cfg.lora_base)
     if command == "lora-to-peft":
         return convert.lora_to_peft(cfg.load, cfg.out, overwrite=cfg.overwrite)
     return verify.verify(cfg.hf_dir, cfg.load, tp=cfg.tp, pp=cfg.pp, ep=cfg.ep, batch=cfg.batch,

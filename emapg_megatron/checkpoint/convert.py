@@ -49,20 +49,23 @@ from emapg_megatron.checkpoint.hf_io import (
     copy_tokenizer_files,
 )
 from emapg_megatron.checkpoint.hf_mapping import HFMapping, stored_key_alias
+from emapg_megatron.checkpoint.lora_base import BaseRecord, check_same_base
 from emapg_megatron.checkpoint.paths import TRACKER, iteration_dir
 from emapg_megatron.checkpoint.safe_load import (
     DCP_METADATA,
     load_verified,
     read_dcp_metadata,
     read_json,
+    verify_checkpoint_metadata,
 )
-from emapg_megatron.checkpoint.training import latest_iteration
+from emapg_megatron.checkpoint.training import latest_iteration, saved_lora_base
 from emapg_megatron.checkpoint.weights import (
     export_hf_weights,
     high_precision,
     load_hf_weights,
 )
 from emapg_megatron.errors import ConfigError, shown
+from emapg_megatron.lora.config import is_adapter_name
 from emapg_megatron.models.config import ModelConfig, PrecisionConfig
 from emapg_megatron.models.gpt import build_gpt_model, unwrap
 from emapg_megatron.multiprocess import free_port
@@ -164,7 +167,9 @@ def check_stored_tensors(ckpt_dir: str | Path, cfg: ModelConfig, what: str, adap
     if stored is None:  # no torch_dist checkpoint: refused in one line when it is loaded
         return
     if adapters:
-        stored = {k: v for k, v in stored.items() if ".lora." not in k}
+        stored = {k: v for k, v in stored.items() if not is_adapter_name(k)}
+        if not stored:  # adapters only: the base is checked by its sha256 where it is read
+            return
     expected = HFMapping(cfg).stored_shapes()
     for key in list(expected):  # either spec's key (load_mcore reads both)
         alias = stored_key_alias(key) if cfg.is_moe else None
@@ -222,19 +227,23 @@ def save_mcore(model_chunks, out_dir: str | Path, metadata: dict, *, overwrite: 
     dist.barrier()
 
 
-def load_mcore(model_chunks, ckpt_dir: str | Path) -> None:
+def load_mcore(model_chunks, ckpt_dir: str | Path, adapters: bool | None = None) -> None:
     """Collective: load a ``torch_dist`` checkpoint into this rank's chunks, at any TP/PP.
 
     The vocabulary padding may differ from the saved one (Megatron marks the embedding and
-    output layer ``allow_shape_mismatch``).
+    output layer ``allow_shape_mismatch``). ``adapters``: only LoRA's adapter matrices (True) or
+    only the base weights (False), the others left as they are; None: every weight.
     """
     if not (Path(ckpt_dir) / "metadata.json").is_file():
         raise ConfigError(f"{ckpt_dir} is not a Megatron dist checkpoint (no metadata.json)")
     sharded = _sharded_state_dict(model_chunks)
+    if adapters is not None:
+        sharded = {chunk: {k: v for k, v in sd.items() if is_adapter_name(k) == adapters}
+                   for chunk, sd in sharded.items()}
     _use_stored_keys(sharded, ckpt_dir)
     loaded = load_verified(sharded, str(ckpt_dir))  # nothing in the checkpoint may run
     for key, chunk in zip(sharded, model_chunks):
-        unwrap(chunk).load_state_dict(loaded[key])
+        unwrap(chunk).load_state_dict(loaded[key], strict=adapters is None)
 
 
 def _stored_model_keys(ckpt_dir: str | Path) -> dict[str, tuple[int, ...]] | None:
@@ -310,23 +319,48 @@ def _recorded_lora(lora: dict, step_dir: str):
         raise ConfigError(f"{step_dir}/{METADATA}: corrupt lora entry ({type(e).__name__}: {e})") from None
 
 
-def _with_adapters(model, lora: dict, step_dir: str):
-    """Load a LoRA run's checkpoint (base and adapters) into ``model``; its LoRAConfig."""
+def _with_adapters(model, meta: dict, model_cfg: ModelConfig, step_dir: str, *, base: bool = True,
+                   base_dir: str | None = None):
+    """Load a LoRA run's checkpoint into ``model``, its adapters applied; returns its LoRAConfig.
+    The base weights come from the checkpoint when it holds them, else (``base``) from the folder
+    it records (``base_dir`` instead, when given), whose files must have the recorded sha256."""
     from emapg_megatron.lora.apply import apply_lora
 
-    cfg = _recorded_lora(lora, step_dir)
+    cfg = _recorded_lora(meta["lora"], step_dir)
     apply_lora(model, cfg)
-    load_mcore([model], step_dir)
+    record = saved_lora_base(verify_checkpoint_metadata(step_dir))
+    if record is None:
+        load_mcore([model], step_dir)
+        return cfg
+    if base:
+        _load_recorded_base(model, record, base_dir, model_cfg, step_dir)
+    load_mcore([model], step_dir, adapters=True)
     return cfg
 
 
-def _merged_adapters(model, lora: dict, step_dir: str) -> None:
+def _load_recorded_base(model, record: BaseRecord, base_dir: str | None, model_cfg: ModelConfig,
+                        step_dir: str) -> None:
+    """The base an adapters-only checkpoint records, read from ``base_dir`` or its recorded
+    folder after every weight file's sha256 is checked against the record."""
+    folder = base_dir or record.path
+    hint = "pass --lora-base with the folder of the base it records"
+    if not os.path.isdir(folder):
+        raise ConfigError(f"{step_dir} holds LoRA adapters only; their base {record.describe()} is "
+                          f"not there any more: {hint}")
+    check_same_base(record, BaseRecord.of(record.flag, folder), step_dir, hint)
+    if record.flag == "--load-hf":
+        load_hf_weights([model], model_cfg, folder)
+    else:
+        load_mcore([model], folder, adapters=False)
+
+
+def _merged_adapters(model, meta: dict, model_cfg: ModelConfig, step_dir: str, base_dir: str | None = None) -> None:
     """Load a LoRA run's checkpoint (base and adapters) into ``model`` and fold the adapters into
     its weights (``lora.apply.merge_lora``: W += (alpha / rank) B A, in fp32, rounded once to the
     model's dtype), so the export is the adapted model as plain HF weights."""
     from emapg_megatron.lora.apply import merge_lora
 
-    _with_adapters(model, lora, step_dir)
+    _with_adapters(model, meta, model_cfg, step_dir, base_dir=base_dir)
     merge_lora(model)
 
 
@@ -344,7 +378,7 @@ def lora_to_peft(load: str | Path, out: str | Path, *, overwrite: bool = False) 
     check_output_apart(out, {"--load": load})
     with atomic_dir(out, overwrite=overwrite) as tmp, single_process_runtime():
         model = _build_tp1(cfg, meta.get("saved_tp", 1), meta.get("dtype") or "fp32")
-        lora = _with_adapters(model, meta["lora"], step_dir)
+        lora = _with_adapters(model, meta, cfg, step_dir, base=False)  # the adapters alone are exported
         adapters = gathered_adapters(model)
         save_peft(tmp, lora, adapters, cfg, base=meta.get("hf_dir"))
     return {"out": str(out), "adapter_matrices": len(adapters), "rank": lora.rank, "alpha": lora.alpha}
@@ -400,20 +434,22 @@ def hf_to_mcore(hf_dir: str | Path, out: str | Path, *, tp: int = 1, pp: int = 1
 
 def mcore_to_hf(load: str | Path, out: str | Path, *, hf_template: str | Path | None = None,
                 max_shard_bytes: int = 5 * 1024**3, overwrite: bool = False,
-                progress: bool = True) -> dict:
+                progress: bool = True, lora_base: str | None = None) -> dict:
     """Convert a checkpoint back to HF: ``config.json``, sharded safetensors with
     ``model.safetensors.index.json``, and the tokenizer and generation files of ``hf_template``
     (else of the --load-hf directory a training run recorded, when it is still there).
 
     ``load``: a checkpoint of :func:`hf_to_mcore` / :func:`save_mcore`, a trainer's ``--save``
-    directory (its latest step) or one of its ``iter_N`` directories. Returns a summary dict."""
+    directory (its latest step) or one of its ``iter_N`` directories. A LoRA run's checkpoint is
+    exported merged; when it holds the adapters alone, their base is read from the folder it
+    records (``lora_base`` instead: the same files moved). Returns a summary dict."""
     step_dir = training_step_dir(load)
     meta, cfg = checked_checkpoint(step_dir, lora=True)
     arch, dtype = meta.get("architecture"), meta.get("dtype")
     if arch is None or dtype is None:
         raise ConfigError(f"{step_dir}/{METADATA} records no architecture or dtype: it cannot be exported")
     tokenizer_dir = hf_template or _recorded_hf_dir(meta)
-    check_output_apart(out, {"--load": load, "the tokenizer folder": tokenizer_dir})
+    check_output_apart(out, {"--load": load, "the tokenizer folder": tokenizer_dir, "--lora-base": lora_base})
     base = meta.get("hf_config")
     if hf_template is not None:
         base = read_hf_config(hf_template)
@@ -424,7 +460,7 @@ def mcore_to_hf(load: str | Path, out: str | Path, *, hf_template: str | Path | 
     with atomic_dir(out, overwrite=overwrite) as tmp, single_process_runtime():
         model = _build_tp1(cfg, meta.get("saved_tp", 1), dtype)
         if meta.get("lora") is not None:  # a LoRA run: its adapters merged into the exported weights
-            _merged_adapters(model, meta["lora"], step_dir)
+            _merged_adapters(model, meta, cfg, step_dir, lora_base)
         else:
             load_mcore([model], step_dir)
         stream = export_hf_weights([model], cfg, bucket_bytes=EXPORT_BUCKET_BYTES, dtype=torch_dtype)

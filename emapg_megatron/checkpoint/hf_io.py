@@ -51,7 +51,7 @@ class SafetensorsReader:
 
     def __init__(self, hf_dir: str | Path):
         self.dir = Path(hf_dir)
-        files = _shard_files(self.dir)
+        files = shard_files(self.dir)
         for f in files:  # before safe_open opens them: a named pipe would block it
             checked_file(str(self.dir / f), str(self.dir))
         # Shapes from the shard headers (the index may list names only).
@@ -81,7 +81,7 @@ class SafetensorsReader:
             return handle.get_tensor(name) if index is None else handle.get_slice(name)[index]
 
 
-def _shard_files(hf_dir: Path) -> list[str]:
+def shard_files(hf_dir: Path) -> list[str]:
     """The safetensors files of an HF folder: the index's shards, else the single file."""
     index = hf_dir / INDEX
     if os.path.lexists(index):

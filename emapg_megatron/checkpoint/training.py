@@ -32,6 +32,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 
 from emapg_megatron import mcore_compat
 from emapg_megatron.checkpoint.files import atomic_write_text, fsync_dir, replace_dir
+from emapg_megatron.checkpoint.lora_base import BaseRecord, check_same_base
 from emapg_megatron.checkpoint.paths import (  # noqa: F401  (re-exported)
     TRACKER,
     iteration_dir,
@@ -44,11 +45,13 @@ from emapg_megatron.checkpoint.safe_load import (
     verify_on_every_rank,
 )
 from emapg_megatron.errors import CheckpointWriteError, ConfigError, WeightsError, agreed
+from emapg_megatron.lora.config import is_adapter_name
 from emapg_megatron.models.gpt import global_param_name, unwrap
 from emapg_megatron.training.collectives import on_rank0
 from emapg_megatron.training.model_and_optimizer import zero_grads
 
 LAYOUT_KEY = "checkpoint_layout"  # in ``common``: how the checkpoint was saved
+LORA_BASE_KEY = "lora_base"  # in ``common``: the base of an adapters-only checkpoint (lora_base.py)
 
 
 def _rng_sharded_object():
@@ -368,17 +371,39 @@ def _restore_rng(rng, path: str) -> bool:
     return True
 
 
-def check_same_adapters(path: str, model_chunks) -> None:
-    """A LoRA run (adapters ``<linear>.lora.A`` / ``.lora.B``, docs/lora.md) resumes only a LoRA
-    run's checkpoint, and a full run only a full one (their optimizer and EMA states cover other
-    parameters): one line before anything is loaded (metadata only)."""
-    verify_on_every_rank(path)  # megatron unpickles .metadata: nothing in it may run
-    before = any(".lora." in key for key in dist_checkpointing.load_tensors_metadata(path))
-    after = any(".lora." in name for chunk in model_chunks for name, _ in chunk.named_parameters())
-    if before != after:
+def saved_lora_base(checkpoint) -> BaseRecord | None:
+    """The base an adapters-only checkpoint records (:data:`LORA_BASE_KEY`), checked; None for a
+    checkpoint that holds every weight. ``checkpoint``: a verified one (``verify_on_every_rank``)."""
+    entry = checked_common(checkpoint).get(LORA_BASE_KEY)
+    return None if entry is None else BaseRecord.from_dict(entry, checkpoint.common_where)
+
+
+def check_same_model(path: str, lora: bool, base: BaseRecord | None) -> None:
+    """Before anything is loaded (metadata only), one line on every rank for a checkpoint this run
+    cannot resume: a LoRA run's (adapters ``<linear>.lora.A`` / ``.lora.B``, docs/lora.md) in a
+    run without LoRA or the other way round (their optimizer and EMA states cover other
+    parameters); an adapters-only checkpoint without its base or with another base than the one
+    it records (``base``: this run's, None when this run's checkpoints hold the base weights)."""
+    checkpoint = verify_on_every_rank(path)  # megatron unpickles .metadata: nothing in it may run
+    before = any(is_adapter_name(key) for key in dist_checkpointing.load_tensors_metadata(path))
+    if before != lora:
         was, is_ = ("with", "without") if before else ("without", "with")
         raise agreed(ConfigError(f"--load {path}: the checkpoint was saved {was} LoRA adapters and this "
                                  f"run is {is_} them: resume with the --lora-* flags of the run that saved it"))
+    saved = saved_lora_base(checkpoint) if lora else None
+    if saved is None and base is not None:
+        raise agreed(ConfigError(
+            f"--load {path}: the checkpoint holds its base weights with the adapters (its run had no "
+            f"--load-hf or --pretrained-checkpoint); this run loads a base from {base.flag} {base.path}: "
+            f"resume without {base.flag}"))
+    if saved is not None and base is None:
+        raise agreed(ConfigError(f"--load {path}: the checkpoint holds the adapters only; their base is "
+                                 f"{saved.describe()}: resume with {saved.flag} {saved.path}"))
+    if saved is not None:
+        try:
+            check_same_base(saved, base, f"--load {path}", f"resume with {saved.flag} of the base it records")
+        except ConfigError as e:
+            raise agreed(e) from None
 
 
 def load(root: str, sharded_state_dict: dict, iteration: int) -> dict:

@@ -29,6 +29,7 @@ from emapg_megatron import runtime
 from emapg_megatron.checkpoint.hf_io import SafetensorsReader
 from emapg_megatron.checkpoint.hf_mapping import HFMapping, dict_reader
 from emapg_megatron.errors import ConfigError
+from emapg_megatron.lora.config import is_adapter_name
 from emapg_megatron.models.config import ModelConfig
 from emapg_megatron.models.gpt import global_param_name, unwrap
 
@@ -75,7 +76,7 @@ def _named_params(model_chunks, base_only: bool = False):
     for chunk in model_chunks:
         gpt = unwrap(chunk)
         for name, p in gpt.named_parameters():
-            if base_only and ".lora." in name:
+            if base_only and is_adapter_name(name):
                 continue
             yield global_param_name(gpt, name), p
 

@@ -20,6 +20,12 @@ HF_TARGETS = {"q_proj": "linear_qkv", "k_proj": "linear_qkv", "v_proj": "linear_
               "down_proj": "linear_fc2"}
 
 
+def is_adapter_name(name: str) -> bool:
+    """Whether a parameter's or checkpoint entry's name is an adapter matrix's
+    (``<linear>.lora.A`` / ``<linear>.lora.B``) rather than a base model weight's."""
+    return ".lora." in name
+
+
 def megatron_targets(names) -> tuple[str, ...]:
     """The Megatron linears that ``names`` (Megatron or HF names, a list or comma-separated
     entries) adapt, in layer order; ConfigError (one line) for an unknown name or for part of a

@@ -166,14 +166,22 @@ def lora_resume(argv: list, ckpt: str, steps: int) -> dict:
             "ema": anchor.gathered() if hasattr(anchor, "gathered") else {}}
 
 
-def export_merged(ckpt: str, out: str, vocab: int, seq: int = 8):
-    """``emapg-convert mcore-to-hf`` of a LoRA run's checkpoint (adapters merged), read back with
-    transformers: its logits of :func:`_local_logits`'s batch."""
+def build_only(argv: list) -> None:
+    """The run's components as emapg-train builds them (its --load checked first), no step."""
+    from emapg_megatron import build
+
+    build.build_trainer(build.prepare(argv))
+
+
+def export_merged(ckpt: str, out: str, vocab: int, seq: int = 8, lora_base: str | None = None):
+    """``emapg-convert mcore-to-hf`` of a LoRA run's checkpoint (adapters merged; the base read from
+    the folder it records, or ``lora_base``), read back with transformers: its logits of
+    :func:`_local_logits`'s batch."""
     import transformers
 
     from emapg_megatron.checkpoint.convert import mcore_to_hf
 
-    mcore_to_hf(ckpt, out, progress=False)
+    mcore_to_hf(ckpt, out, progress=False, lora_base=lora_base)
     model = transformers.AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.float32)
     tokens = (torch.arange(2 * seq).view(2, seq) * 7 + 3) % vocab
     with torch.no_grad():

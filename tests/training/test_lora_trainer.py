@@ -7,14 +7,18 @@ GQA with QKV bias) and Qwen3 (qk-layernorm) models, and each unsupported combina
 in one line before any process group."""
 
 import contextlib
+import hashlib
 import io
 import json
 import os
+import shutil
 import sys
 
 import pytest
+import safetensors.torch
 import torch
 from lora_train_workers import (
+    build_only,
     continue_from_peft,
     export_merged,
     export_peft,
@@ -28,9 +32,16 @@ from test_equivalence_matrix import BASE
 from trainer_launch import COMPARED
 
 from emapg_megatron import train
-from emapg_megatron.checkpoint.convert import checkpoint_model_config, training_step_dir
+from emapg_megatron.checkpoint.convert import (
+    MODEL_KEY_PREFIXES,
+    checkpoint_model_config,
+    training_step_dir,
+)
+from emapg_megatron.checkpoint.safe_load import verify_checkpoint_metadata
+from emapg_megatron.checkpoint.training import saved_lora_base
 from emapg_megatron.errors import ConfigError
 from emapg_megatron.lora.adapters import Sharding
+from emapg_megatron.lora.config import is_adapter_name
 from emapg_megatron.models.config import ModelConfig
 from emapg_megatron.multiprocess import run_distributed
 
@@ -265,6 +276,74 @@ def test_a_lora_checkpoint_exports_to_peft_and_training_continues_from_it(hf_mod
                              timeout=300)
     assert torch.equal(out["logits"], resumed_at_one_rank["logits"])  # the checkpoint's adapters exactly
     assert out["metrics"][0]["kl"] == 0 and out["metrics"][0]["ema_lag"] > 0  # the EMA starts from them
+
+
+def test_a_lora_checkpoint_holds_the_adapters_and_names_its_base(hf_models, saved):
+    """The base came from --load-hf: the checkpoint's model, optimizer and EMA entries are the
+    adapters' alone, and its common state names the base by folder and each weight file's sha256."""
+    ckpt, _ = saved
+    step, hf = training_step_dir(ckpt), hf_models["qwen2-tied-gqa-bias"]
+    checkpoint = verify_checkpoint_metadata(step)
+    keys = [k for k in checkpoint.metadata.state_dict_metadata if isinstance(k, str)]
+    weights = [k for k in keys if k.startswith(MODEL_KEY_PREFIXES)]
+    assert weights and all(is_adapter_name(k) for k in weights)
+    assert any(".lora." in k and "ema" in k for k in keys) and any(".lora." in k and "optimizer" in k for k in keys)
+    assert not any(k.endswith(("linear_qkv.weight", "word_embeddings.weight")) for k in keys)
+    record = saved_lora_base(checkpoint)
+    with open(os.path.join(hf, "model.safetensors"), "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()
+    assert (record.flag, record.path, record.files) == ("--load-hf", os.path.abspath(hf), {"model.safetensors": digest})
+
+
+def _changed_copy(hf: str, out) -> str:
+    """A copy of the HF model ``hf`` with one weight changed by 1e-3 (the same names and shapes)."""
+    shutil.copytree(hf, out)
+    weights = safetensors.torch.load_file(os.path.join(out, "model.safetensors"))
+    name = next(n for n in sorted(weights) if n.endswith("q_proj.weight"))
+    weights[name] = weights[name] + 1e-3
+    safetensors.torch.save_file(weights, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    return str(out)
+
+
+def test_a_lora_checkpoint_resumes_only_on_the_base_it_names(hf_models, saved, resumed_at_one_rank, tmp_path):
+    """The same base files elsewhere resume exactly as in place; a base with one weight changed is
+    refused in one line naming the file (at emapg-train's early check, before the base is read);
+    a run that gives no base file is told which one."""
+    ckpt, _ = saved
+    hf = hf_models["qwen2-tied-gqa-bias"]
+    moved = shutil.copytree(hf, tmp_path / "moved")
+    (out,) = run_distributed(lora_resume, 1, args=(argv(str(moved)), ckpt, 3), timeout=300)
+    assert [{k: m[k] for k in COMPARED} for m in out["metrics"]] == \
+        [{k: m[k] for k in COMPARED} for m in resumed_at_one_rank["metrics"]]
+    assert torch.equal(out["logits"], resumed_at_one_rank["logits"])
+    changed = _changed_copy(hf, tmp_path / "changed")
+    with pytest.raises(Exception) as e:
+        run_distributed(build_only, 1, args=([*argv(changed), "--load", ckpt, "--train-iters", "3"],), timeout=300)
+    step = training_step_dir(ckpt)
+    assert (f"--load {step}: its adapters were trained on the base of --load-hf {hf} (sha256 ") in str(e.value)
+    assert (f"; --load-hf {changed} (sha256 ") in str(e.value)
+    assert ("differs from it (model.safetensors): resume with --load-hf of the base it records") in str(e.value)
+    with pytest.raises(Exception) as e:
+        run_distributed(lora_resume, 1, args=([*BASE, *LORA], ckpt, 3), timeout=300)
+    assert (f"--load {step}: the checkpoint holds the adapters only; their base is --load-hf {hf} "
+            f"(sha256 ") in str(e.value) and f"): resume with --load-hf {hf}" in str(e.value)
+
+
+def test_an_adapters_only_checkpoint_exports_its_base_checked(hf_models, saved, tmp_path):
+    """mcore-to-hf reads the base the checkpoint names; --lora-base gives it from another folder,
+    whose files must be the recorded ones (one line otherwise)."""
+    ckpt, _ = saved
+    hf = hf_models["qwen2-tied-gqa-bias"]
+    moved = str(shutil.copytree(hf, tmp_path / "moved"))
+    there = run_distributed(export_merged, 1, args=(ckpt, str(tmp_path / "a"), 16), timeout=300)[0]
+    elsewhere = run_distributed(export_merged, 1, args=(ckpt, str(tmp_path / "b"), 16, 8, moved), timeout=300)[0]
+    assert torch.equal(there, elsewhere)
+    changed = _changed_copy(hf, tmp_path / "changed")
+    with pytest.raises(Exception) as e:
+        run_distributed(export_merged, 1, args=(ckpt, str(tmp_path / "c"), 16, 8, changed), timeout=300)
+    assert ("differs from it (model.safetensors): pass --lora-base with the folder of the base it "
+            "records") in str(e.value)
+    assert not os.path.exists(tmp_path / "c")
 
 
 def test_a_lora_checkpoint_is_refused_where_it_would_lose_its_adapters(saved):

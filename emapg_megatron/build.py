@@ -227,9 +227,8 @@ def build_trainer(inputs: RunInputs) -> Trainer:
     routing = MoERouting.for_policy(model_cfg, cfg.moe, pipeline=cfg.parallel.pipeline_model_parallel_size,
                                     sequence_parallel=cfg.parallel.sequence_parallel,
                                     packing=cfg.step.sequence_packing)
-    # the sampler records its routes where the trainer can lay them per sequence; a partial
-    # rollout's carried prefix was routed by an earlier policy, which no trace keeps
-    sampler_routes = routing.record_dtype if routing and not cfg.partial_rollouts.enabled else None
+    # the sampler records its routes where the trainer can lay them per sequence
+    sampler_routes = routing.record_dtype if routing else None
     engine = build_rollout_engine(cfg, chunks, model_cfg, inputs.tokenizer, route_dtype=sampler_routes)
     collector = build_collector(inputs, engine)
     state = TrainState(chunks, optimizer, scheduler, build_anchor(inputs, chunks, optimizer), collector,

@@ -10,16 +10,8 @@
 # the machine; OUT/moe_seeds.png has the reward and each layer's expert-load curves.
 # Extra flags go to every seed's run; add --overwrite to replace an earlier run's seeds.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-bash tools/install_cpu.sh
-PY=$(bash tools/python.sh)
-export OMP_NUM_THREADS=1 CUDA_DEVICE_MAX_CONNECTIONS=1
+source "$(dirname "$0")/lib/cpu_demo.sh"
 OUT=${OUT:-runs/moe-tiny-cpu}
-SEEDS=${SEEDS:-1 2 3 4 5}
-for seed in $SEEDS; do
-  echo "== seed $seed of: $SEEDS" >&2
-  "$PY" -m emapg_megatron.launch --standalone --nproc-per-node 2 --preset moe-tiny-cpu \
-      --seed "$seed" --log-dir "$OUT/seed-$seed" "$@"
-done
+per_seed "$OUT" --preset moe-tiny-cpu "$@"
 # shellcheck disable=SC2086  # one argument per seed
 "$PY" tools/moe_report.py "$OUT" --seeds $SEEDS

@@ -18,18 +18,14 @@
 # OUT (default runs/opd-tiny), SEEDS, COPY_REWARD, TEACHER_STEPS (300) and STEPS (200) can be set.
 # Time on 2 cores: see BENCHMARKS.md ("Seeds").
 set -euo pipefail
-cd "$(dirname "$0")/.."
-bash tools/install_cpu.sh >&2
-PY=$(bash tools/python.sh)
-export OMP_NUM_THREADS=1 CUDA_DEVICE_MAX_CONNECTIONS=1
+source "$(dirname "$0")/lib/cpu_demo.sh"
 OUT=${OUT:-runs/opd-tiny}
-SEEDS=${SEEDS:-1 2 3 4 5}
 COPY_REWARD=${COPY_REWARD:-exact}
 TEACHER_STEPS=${TEACHER_STEPS:-300}
 STEPS=${STEPS:-200}
 RUNS=$OUT/$COPY_REWARD
 
-train() { "$PY" -m emapg_megatron.launch --standalone --nproc-per-node 2 --preset tiny-cpu "$@" >&2; }
+train() { train_cpu --preset tiny-cpu "$@" >&2; }
 
 if [ ! -f "$OUT/teacher-ckpt/latest_checkpointed_iteration.txt" ]; then
   echo "== the teacher: $TEACHER_STEPS steps" >&2

@@ -25,12 +25,23 @@ import memory_plan as mp  # noqa: E402
 PARTS = ("weights", "grads", "main_params", "adam", "ema_device", "total_device")
 
 
+def checkpoint_bytes(part: dict, saved_weights: int) -> int:
+    """What a rank's checkpoint holds: ``saved_weights`` bytes of model weights, then the fp32
+    main params (bf16 runs), Adam's moments and the EMA of what trains."""
+    return saved_weights + part["main_params"] + part["adam"] + part["ema_device"] + part.get("ema_host", 0)
+
+
 def compare(cfg, layout: mp.Layout, rank: int) -> dict:
-    """``{"full": bytes, "lora": bytes, "saved": full - lora}`` per part, and the trainable counts."""
+    """``{"full": bytes, "lora": bytes, "saved": full - lora}`` per part, the trainable counts, and
+    the checkpoint's bytes per rank: a full run saves every weight, a LoRA run on a base from files
+    the adapters alone (docs/lora.md: the base is named by its sha256)."""
     full, lora = mp.memory(cfg, layout), mp.memory(cfg, layout, lora_rank=rank)
+    adapters = lora["trainable_per_rank"] * (2 if layout.bf16 else 4)
     return {"params_per_rank": full["params_per_rank"], "adapter_params_per_rank": lora["trainable_per_rank"],
             "full": {k: full[k] for k in PARTS}, "lora": {k: lora[k] for k in PARTS},
-            "saved": {k: full[k] - lora[k] for k in PARTS}}
+            "saved": {k: full[k] - lora[k] for k in PARTS},
+            "checkpoint": {"full": checkpoint_bytes(full, full["weights"]),
+                           "lora_adapters_only": checkpoint_bytes(lora, adapters)}}
 
 
 def main(argv: list[str] | None = None) -> int:

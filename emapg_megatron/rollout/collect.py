@@ -23,6 +23,7 @@ from megatron.core import parallel_state as ps
 from emapg_megatron.errors import ConfigError, agreed
 from emapg_megatron.rollout.engine import RolloutBatch, build_rollout_batch
 from emapg_megatron.rollout.partial import InFlight, Pending, lag_stats
+from emapg_megatron.rollout.route_recording import lay_routes
 from emapg_megatron.tasks.base import encode_text
 from emapg_megatron.training.collectives import flags_and_any, gather_lists
 
@@ -171,9 +172,9 @@ class PartialRollouts:
         dropped = pool.begin_step(step)
         prompt_of = _PromptIds(self.task, self.tokenizer, self.data)
         pending = pool.pending(prompt_of)
-        sampled, stats = 0, self.engine.idle_stats()
+        sampled, stats, routed = 0, self.engine.idle_stats(), {}
         if pending and pool.completed() < self.shape.batch_size:
-            sampled, stats = self._continue(pending, version)
+            sampled, stats, routed = self._continue(pending, version)
         groups = pool.take()
         lag_mean, lag_max = lag_stats(groups, version)
         metrics = dict(zip(PARTIAL_KEYS, (float(pool.carried()), float(dropped), lag_mean, float(lag_max),
@@ -184,14 +185,23 @@ class PartialRollouts:
         batch = build_rollout_batch([prompt_of(g.pos) for g in mine], [s.tokens for s in samples],
                                     [s.logprobs for s in samples], self.engine.seq_length,
                                     self.engine.pad_id, self.shape.n)
+        if self._records_routes:
+            histories = [prompt_of(g.pos) + s.tokens for g in mine for s in g.samples]
+            batch.routes = lay_routes(self._routes(samples, histories, routed), batch.tokens.shape[1])
         return Rollout(batch, [r for r in rows for _ in range(self.shape.n)],
                        [self.task.prompt(r, self.tokenizer) for r in rows],
                        [self.tokenizer.decode(r) for r in batch.responses], float(sampled),
                        metrics=metrics, decode=_decode_metrics(stats))
 
+    @property
+    def _records_routes(self) -> bool:
+        """Whether the engine records a MoE policy's routes (R3): the batch then carries them."""
+        return getattr(self.engine, "route_dtype", None) is not None
+
     def _continue(self, pending: list[Pending], version: int):
         """Continue this rank's share of the pending samples until enough groups are complete;
-        (tokens this rank sampled, the decoding's stats)."""
+        (tokens this rank sampled, the decoding's stats, the routes each sample finished now was
+        fed with, by ``id`` of its sample, gathered from every rank)."""
         dp, dp_rank, group = _dp()
         mine = list(range(dp_rank, len(pending), dp))
         agree = None if dp == 1 else (lambda flags, busy: flags_and_any(flags, mine, len(pending), busy, group))
@@ -199,7 +209,24 @@ class PartialRollouts:
                                               enough=self.pool.enough(pending), agree=agree)
         sampled = sum(len(t.token_ids) - len(pending[i].tokens) for i, t in zip(mine, done.turns))
         self.pool.record(pending, *_pool_order(done.turns, dp, group), version)
-        return sampled, done.stats
+        routed = {}
+        if done.routes is not None:
+            finished = [r if t.finish_reason else None for t, r in zip(done.turns, done.routes)]
+            routed = {id(p.sample): r for p, r in zip(pending, _routes_in_pool_order(finished, dp, group, self.engine.route_dtype))
+                      if r is not None}
+        return sampled, done.stats, routed
+
+    def _routes(self, samples: list, histories: list[list[int]], routed: dict) -> list:
+        """Each trained sample's routes (R3): those its continuation at this step was fed with
+        (its prompt and carried tokens prefilled again, then each new token), else, for a sample
+        that finished at an earlier step, those of a forward of it now: either way the routes of
+        this step's weights, which the old-policy pass replays."""
+        missing = [i for i, s in enumerate(samples) if id(s) not in routed]
+        refed = self.engine.route_histories([histories[i] for i in missing]) if missing else []
+        out = [routed.get(id(s)) for s in samples]
+        for i, r in zip(missing, refed):
+            out[i] = r
+        return out
 
     def state_dict(self) -> dict:
         return {"in_flight": self.pool.state_dict()}
@@ -250,6 +277,21 @@ def _pool_order(turns: list, dp: int, group) -> tuple[list, list, list]:
     order = [r + j * dp for r, rank in enumerate(codes) for j in range(len(rank))]  # pool index of each
     back = sorted(range(len(order)), key=order.__getitem__)
     return [tokens[i] for i in back], [logprobs[i] for i in back], [finish[i] for i in back]
+
+
+def _routes_in_pool_order(routes: list, dp: int, group, dtype: torch.dtype) -> list:
+    """Every DP rank's continued sequences' routes (``[positions, layers, k]`` each, None where
+    unrecorded; rank ``r`` holds pool entries ``r, r + dp, ...``) in pool order."""
+    if dp == 1:
+        return list(routes)
+    counts = [int(n) for (n,) in gather_lists([[len(routes)]], group, torch.long)]  # one per rank
+    shapes = gather_lists([list(r.shape[1:]) for r in routes if r is not None][:1], group, torch.long)
+    flat = gather_lists([r.flatten().tolist() if r is not None else [] for r in routes], group, torch.long)
+    shape = tuple(int(v) for v in shapes[0]) if shapes else ()
+    values = [torch.tensor(f, dtype=dtype).view(-1, *shape) if f else None for f in flat]
+    order = [r + j * dp for r, n in enumerate(counts) for j in range(n)]  # pool index of each
+    back = sorted(range(len(order)), key=order.__getitem__)
+    return [values[i] for i in back]
 
 
 def _decode_metrics(stats) -> dict:

@@ -131,25 +131,33 @@ class RecomputeDecode:
         return []
 
     def _next_token_logits(self, chunks, histories: list[list[int]]):
-        """Full-vocabulary logits at each history's last position (last PP stage only), and with
-        ``route_dtype`` the routes of every history, ``[S, seq_length, layers, k]``."""
-        def pick(logits_shard, mb):
-            rows = torch.arange(logits_shard.shape[0], device=logits_shard.device)
-            return {"logits": gather_from_tensor_model_parallel_region(logits_shard[rows, mb["lengths"] - 1])}
+        return whole_history_forward(chunks, histories, seq_length=self.seq_length,
+                                     micro_batch_size=self.micro_batch_size, pad_id=self.pad_id,
+                                     route_dtype=self.route_dtype)
 
-        S, size = len(histories), min(self.micro_batch_size, len(histories))
-        tokens = torch.full((S, self.seq_length), self.pad_id, dtype=torch.long)
-        for s, h in enumerate(histories):
-            tokens[s, :len(h)] = torch.as_tensor(h)
-        lengths = torch.tensor([len(h) for h in histories], dtype=torch.long)
-        rows = torch.cat([torch.arange(S), torch.zeros(-S % size, dtype=torch.long)])  # equal micro-batches
-        device = runtime.device()
-        mbs = split_microbatches({"tokens": tokens[rows].to(device), "lengths": lengths[rows].to(device)}, size)
-        outs = forward_only(chunks, mbs, pick, record_routes=self.route_dtype)
-        if not outs:
-            return None, None
-        routes = torch.cat([o[ROUTES] for o in outs])[:S] if self.route_dtype is not None else None
-        return torch.cat([o["logits"] for o in outs])[:S], routes
+
+def whole_history_forward(chunks, histories: list[list[int]], *, seq_length: int, micro_batch_size: int,
+                          pad_id: int, route_dtype: torch.dtype | None = None):
+    """One cache-free forward of each history, right-padded to ``seq_length``: the full-vocabulary
+    logits at its last position (last PP stage only, else None), and with ``route_dtype`` the
+    routes of every position, ``[S, seq_length, layers, k]`` (else None)."""
+    def pick(logits_shard, mb):
+        rows = torch.arange(logits_shard.shape[0], device=logits_shard.device)
+        return {"logits": gather_from_tensor_model_parallel_region(logits_shard[rows, mb["lengths"] - 1])}
+
+    S, size = len(histories), min(micro_batch_size, len(histories))
+    tokens = torch.full((S, seq_length), pad_id, dtype=torch.long)
+    for s, h in enumerate(histories):
+        tokens[s, :len(h)] = torch.as_tensor(h)
+    lengths = torch.tensor([len(h) for h in histories], dtype=torch.long)
+    rows = torch.cat([torch.arange(S), torch.zeros(-S % size, dtype=torch.long)])  # equal micro-batches
+    device = runtime.device()
+    mbs = split_microbatches({"tokens": tokens[rows].to(device), "lengths": lengths[rows].to(device)}, size)
+    outs = forward_only(chunks, mbs, pick, record_routes=route_dtype)
+    if not outs:
+        return None, None
+    routes = torch.cat([o[ROUTES] for o in outs])[:S] if route_dtype is not None else None
+    return torch.cat([o["logits"] for o in outs])[:S], routes
 
 
 class LockstepDecode:

@@ -30,7 +30,12 @@ from megatron.core import parallel_state as ps
 from emapg_megatron import runtime
 from emapg_megatron.rollout import kv_cache_decoding as kv
 from emapg_megatron.rollout.config import SamplerConfig
-from emapg_megatron.rollout.decoders import DecodeStats, Sampling, decode_path
+from emapg_megatron.rollout.decoders import (
+    DecodeStats,
+    Sampling,
+    decode_path,
+    whole_history_forward,
+)
 from emapg_megatron.rollout.engine import (
     RolloutBatch,
     build_rollout_batch,
@@ -47,6 +52,10 @@ class Continued:
 
     turns: list[Turn]
     stats: DecodeStats
+    routes: list | None = None
+    """With a MoE policy's routes recorded: each sequence's ``[positions fed, layers, k]`` routes
+    of this call's forwards (its prompt and carried tokens were prefilled again: all of them),
+    None for a sequence not fed; None without recording."""
 
 
 class MegatronSampler:
@@ -62,6 +71,8 @@ class MegatronSampler:
         self.seq_length = seq_length
         self.seed = seed
         self.tokenizer = tokenizer  # decodes turns for stop strings and environments
+        self.route_dtype = route_dtype
+        self.micro_batch_size = micro_batch_size
         self.decoder = decode_path(cfg, model_chunks, seq_length=seq_length, micro_batch_size=micro_batch_size,
                                    vocab_size=vocab_size, pad_id=pad_id, draw=self._draw,
                                    route_dtype=route_dtype)
@@ -220,7 +231,21 @@ class MegatronSampler:
         stats = self.decoder.new_stats()
         live = [s for s in streams if len(s.turn.token_ids) < max_new_tokens]
         self._run(live, advance, Sampling(temperature, top_p), stats, halted)
-        return Continued([self._close(s.turn) for s in streams], stats)
+        routes = [s.trace.routes() for s in streams] if self.route_dtype is not None else None
+        return Continued([self._close(s.turn) for s in streams], stats, routes)
+
+    def route_histories(self, histories) -> list[torch.Tensor]:
+        """The routes one cache-free forward of each whole history takes now, ``[len(h), layers,
+        k]`` each: for R3, the routes of a sequence no forward of this step fed (a partial
+        rollout finished at an earlier step). A collective over the model-parallel group."""
+        routes = []
+        for start in range(0, len(histories), self.micro_batch_size):  # one micro-batch per forward
+            part = histories[start:start + self.micro_batch_size]
+            _, r = whole_history_forward(self.model_chunks, [list(h) for h in part], seq_length=self.seq_length,
+                                         micro_batch_size=self.micro_batch_size, pad_id=self.pad_id,
+                                         route_dtype=self.route_dtype)
+            routes += [r[i, :len(h)].cpu() for i, h in enumerate(part)]
+        return routes
 
     def generate_episodes(self, prompts, n: int, envs, *, tokenizer, temperature: float, top_p: float,
                           max_new_tokens: int, stop: Sequence[str] | None = None, rng_step: int = 0,

@@ -65,11 +65,17 @@ def write_rows(traces: list[RouteTrace], starts: list[int], lengths: list[int],
 def batch_routes(traces: list[RouteTrace], width: int) -> torch.Tensor | None:
     """The sequences' routes as the rollout batch lays them, ``[S, width, layers, k]`` (unrouted
     positions: :func:`fill_routes`); None when no sequence was recorded."""
-    recorded = [t.routes() for t in traces]
+    return lay_routes([t.routes() for t in traces], width)
+
+
+def lay_routes(recorded: list[torch.Tensor | None], width: int) -> torch.Tensor | None:
+    """Each sequence's ``[positions, layers, k]`` routes (None: none recorded) as rows of a batch
+    ``[S, width, layers, k]`` from position 0, the rest :func:`fill_routes`; None when no
+    sequence has any."""
     shape = next((r for r in recorded if r is not None), None)
     if shape is None:
         return None
-    out = fill_routes(width, *shape.shape[1:], shape.dtype).expand(len(traces), -1, -1, -1).clone()
+    out = fill_routes(width, *shape.shape[1:], shape.dtype).expand(len(recorded), -1, -1, -1).clone()
     for row, r in zip(out, recorded):
         if r is not None:
             row[:min(width, r.shape[0])] = r[:width]

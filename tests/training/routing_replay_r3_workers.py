@@ -47,6 +47,28 @@ def one_step(argv: list, perturb: float = 0.0) -> dict:
     return {**{k: m.get(k) for k in keys}, **seen}
 
 
+def partial_steps(argv: list, steps: int) -> list[dict]:
+    """``steps`` trainer steps of a run (partial rollouts): per step its route and pool metrics
+    and the largest |sampler - old| log-prob gap over its trained tokens."""
+    from emapg_megatron import build
+
+    trainer = build.build_trainer(build.prepare(argv))
+    mismatch, seen = trainer.rollout_mismatch, {}
+
+    def spy(batch):
+        sel = batch["mask"] > 0
+        seen["max_abs_diff"] = float((batch["old_logprob"] - batch["sampling_logprob"])[sel].abs().max())
+        return mismatch(batch)
+
+    trainer.rollout_mismatch = spy
+    out = []
+    for step in range(1, steps + 1):
+        m = trainer.step(step).metrics
+        out.append({**{k: m.get(k) for k in ("moe_route_agreement", "rollout_logprob_diff", "partial/carried",
+                                             "partial/policy_lag_max")}, **seen})
+    return out
+
+
 def cases(base: list, runs: dict) -> dict:
     """:func:`one_step` of each ``name: (extra flags, perturbation)``, in one process."""
     return {name: one_step([*base, *extra], perturb) for name, (extra, perturb) in runs.items()}
@@ -87,9 +109,31 @@ def sampler_routes_against_a_full_forward() -> dict:
             multi, episodes = sampler.generate_episodes(prompts, 2, envs, tokenizer=None, temperature=1.0,
                                                         top_p=1.0, max_new_tokens=4, rng_step=2)
             batches.append(("episodes", multi, [len(e.history()) for e in episodes]))
+        if name == "fixed_shape":  # partial rollouts: carried prefixes continued, and routed anew
+            batches += _continued_and_rerouted(sampler, prompts, single)
         for kind, batch, lengths in batches:
             full = forward_only([model], [{"tokens": batch.tokens.to(next(model.parameters()).device)}],
                                 lambda o, mb: {}, record_routes=dtype)[0][ROUTES].cpu()
             fed = torch.arange(batch.tokens.shape[1]) < torch.tensor(lengths).unsqueeze(1) - 1
             out[f"{name}/{kind}"] = route_agreement(full, batch.routes, fed)
     return out
+
+
+def _continued_and_rerouted(sampler, prompts, single) -> list:
+    """The partial-rollout calls on ``single``'s sequences: each continued from its first two
+    tokens by two more (``continue_sequences``, its carried prefix prefilled again), and each
+    whole sequence routed by one forward (``route_histories``); as (kind, batch, fed lengths)."""
+    from types import SimpleNamespace
+
+    from emapg_megatron.rollout.route_recording import lay_routes
+
+    seqs = [SimpleNamespace(prompt=prompts[s // 2], tokens=r[:2], logprobs=[-1.0, -1.0], rng_step=3, row=s)
+            for s, r in enumerate(single.responses)]
+    done = sampler.continue_sequences(seqs, temperature=1.0, top_p=1.0, max_new_tokens=4)
+    histories = [q.prompt + t.token_ids for q, t in zip(seqs, done.turns)]
+    width = max(len(h) for h in histories)
+    tokens = torch.tensor([h + [0] * (width - len(h)) for h in histories])
+    continued = SimpleNamespace(tokens=tokens, routes=lay_routes(done.routes, width))
+    rerouted = SimpleNamespace(tokens=tokens, routes=lay_routes(sampler.route_histories(histories), width))
+    lengths = [len(h) for h in histories]
+    return [("continued", continued, lengths), ("rerouted", rerouted, [n + 1 for n in lengths])]

@@ -10,6 +10,7 @@ import contextlib
 import hashlib
 import io
 import json
+import math
 import os
 import shutil
 import sys
@@ -29,6 +30,7 @@ from lora_train_workers import (
     pretrained_start,
 )
 from test_equivalence_matrix import BASE
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from trainer_launch import COMPARED
 
 from emapg_megatron import train
@@ -278,13 +280,20 @@ def test_a_lora_checkpoint_exports_to_peft_and_training_continues_from_it(hf_mod
     assert out["metrics"][0]["kl"] == 0 and out["metrics"][0]["ema_lag"] > 0  # the EMA starts from them
 
 
-def test_a_lora_checkpoint_holds_the_adapters_and_names_its_base(hf_models, saved):
+def test_a_lora_checkpoint_holds_the_adapters_and_names_its_base(hf_models, saved, one_rank):
     """The base came from --load-hf: the checkpoint's model, optimizer and EMA entries are the
-    adapters' alone, and its common state names the base by folder and each weight file's sha256."""
+    adapters' alone, their bytes what tools/lora_memory.py counts, and its common state names the
+    base by folder and each weight file's sha256."""
     ckpt, _ = saved
     step, hf = training_step_dir(ckpt), hf_models["qwen2-tied-gqa-bias"]
     checkpoint = verify_checkpoint_metadata(step)
-    keys = [k for k in checkpoint.metadata.state_dict_metadata if isinstance(k, str)]
+    stored = checkpoint.metadata.state_dict_metadata
+    tensor_bytes = sum(math.prod(m.size) * m.properties.dtype.itemsize for k, m in stored.items()
+                       if isinstance(m, TensorStorageMetadata) and not k.startswith("rng_state"))
+    plan = memory_plan.memory(ModelConfig.from_dict(one_rank["qwen2-tied-gqa-bias"]["model_cfg"]),
+                              memory_plan.Layout(bf16=False), lora_rank=4)
+    assert tensor_bytes == lora_memory.checkpoint_bytes(plan, plan["trainable_per_rank"] * 4)
+    keys = [k for k in stored if isinstance(k, str)]
     weights = [k for k in keys if k.startswith(MODEL_KEY_PREFIXES)]
     assert weights and all(is_adapter_name(k) for k in weights)
     assert any(".lora." in k and "ema" in k for k in keys) and any(".lora." in k and "optimizer" in k for k in keys)

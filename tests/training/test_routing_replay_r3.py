@@ -101,7 +101,7 @@ def test_route_agreement_ignores_the_order_of_a_tokens_experts():
 
 
 # --- the refusals -------------------------------------------------------------------------------
-def test_r3_refuses_partial_rollouts_and_vllm_in_one_line():
+def test_r3_refuses_vllm_and_dense_models_in_one_line():
     from emapg_megatron.arguments import parse_args, validate_architecture
     from emapg_megatron.errors import ConfigError
     from emapg_megatron.models.config import ModelConfig
@@ -109,8 +109,7 @@ def test_r3_refuses_partial_rollouts_and_vllm_in_one_line():
     moe = ModelConfig(vocab_size=13, num_experts=4)
     base = ["--preset", "tiny-cpu", "--tensor-model-parallel-size", "1", "--moe-routing-replay", "r3"]
     validate_architecture(parse_args(base), moe)
-    with pytest.raises(ConfigError, match=r"^--moe-routing-replay r3 does not support --partial-rollouts yet"):
-        validate_architecture(parse_args([*base, "--partial-rollouts"]), moe)
+    validate_architecture(parse_args([*base, "--partial-rollouts"]), moe)
     with pytest.raises(ConfigError, match=r"^--moe-routing-replay r3 replays the routes the built-in sampler"):
         validate_architecture(parse_args([*base, "--rollout-engine", "vllm"]), moe)
     with pytest.raises(ConfigError, match="--moe-routing-replay r3 needs a mixture-of-experts model"):
@@ -162,11 +161,65 @@ def test_r3_at_ep2_replays_the_expert_groups_routes():
 
 def test_the_sampler_records_the_routes_a_full_forward_takes():
     """Every cached decode path (lockstep, lockstep in row micro-batches, fixed-shape slots),
-    single-turn and multi-turn (cut turns restart a sequence): at every
+    single-turn and multi-turn (cut turns restart a sequence), and partial rollouts' continued
+    sequences (the carried prefix prefilled again) and re-routed ones (one forward each): at every
     position the sampler fed, the batch's routes are those of a forward of the whole sequence."""
     from routing_replay_r3_workers import sampler_routes_against_a_full_forward
 
     (out,) = run_distributed(sampler_routes_against_a_full_forward, 1, timeout=300)
-    assert len(out) == 5
+    assert len(out) == 7  # with partial rollouts' continued and re-routed sequences
     for case, (agree, total) in out.items():
         assert total > 20 and agree == total, (case, agree, total)
+
+
+# --- with partial rollouts ----------------------------------------------------------------------
+# Groups of 2 with room for 32 tokens, a pool of 3 groups per trained one: some groups finish at
+# once, others are carried into the next step, unfinished or finished.
+PARTIAL = ["--partial-rollouts", "--max-new-tokens", "32", "--seq-length", "40", "--max-position-embeddings", "40",
+           "--num-samples-per-prompt", "2", "--micro-batch-size", "8", "--global-batch-size", "8",
+           "--expert-model-parallel-size", "1", "--rollout-is", "tis"]
+
+
+@pytest.fixture(scope="module")
+def partial_runs():
+    from routing_replay_r3_workers import partial_steps
+
+    def run(extra):
+        return run_distributed(partial_steps, 1, args=([*BASE, *PARTIAL, *R3, *extra], 4), timeout=600)[0]
+
+    return {"frozen": run(["--lr", "0"]), "training": run([])}
+
+
+def test_r3_with_partial_rollouts_replays_what_the_sampler_fed(partial_runs):
+    """Unchanged weights (--lr 0): every trained token's old log-prob is the sampler's, also those
+    of sequences carried from an earlier step (their continuation prefilled the carried prefix and
+    recorded its routes; one finished earlier is routed by a forward now)."""
+    steps = partial_runs["frozen"]
+    assert sum(m["partial/carried"] for m in steps) > 0, steps  # sequences were carried
+    for m in steps:
+        assert m["max_abs_diff"] < 1e-6 and m["moe_route_agreement"] == 1.0, steps
+
+
+def test_r3_with_partial_rollouts_routes_carried_sequences_with_the_current_weights(partial_runs):
+    """Training: the routes a step replays are its own weights' (the old pass routes every trained
+    token as the step's sampler forwards did), though carried tokens were sampled by earlier
+    policies (their log-probs differ: the lag the importance weights correct)."""
+    steps = partial_runs["training"]
+    assert max(m["partial/policy_lag_max"] for m in steps) >= 1, steps
+    for m in steps:
+        assert m["moe_route_agreement"] == 1.0, steps
+    assert max(m["max_abs_diff"] for m in steps) > 1e-4  # earlier policies' tokens were trained
+
+
+def test_r3_with_partial_rollouts_at_dp2_gathers_each_ranks_routes():
+    """DP = 2: each rank continues every other pending sequence of the shared pool and trains its
+    own groups, whose routes another rank may have recorded: gathered, they are replayed exactly
+    (unchanged weights: every trained token's old log-prob is the sampler's, on both ranks)."""
+    from routing_replay_r3_workers import partial_steps
+
+    dp2 = ["--micro-batch-size", "4"]  # the rollout of 4 groups of 2: one micro-batch per rank
+    outs = run_distributed(partial_steps, 2, args=([*BASE, *PARTIAL, *R3, "--lr", "0", *dp2], 3), timeout=600)
+    assert sum(m["partial/carried"] for m in outs[0]) > 0, outs[0]
+    for steps in outs:
+        for m in steps:
+            assert m["max_abs_diff"] < 1e-6 and m["moe_route_agreement"] == 1.0, steps

@@ -28,8 +28,9 @@ generate syncs from the trainer (``model_chunks``) through
 into the worker's ``model.load_weights`` via ``LLM.collective_rpc``.
 
 LoRA (``cfg.lora``; docs/lora.md, "Rollouts through vLLM"). vLLM is built with ``enable_lora``
-and one adapter slot; the frozen base streams once (``adapters="exclude"``: no adapter matrix),
-again only after a level-2 sleep dropped it. Every sync writes the adapters (whole matrices, every
+and one adapter slot; the frozen base streams once (``adapters="exclude"``: no adapter matrix;
+the linears vLLM wraps for LoRA take their weights as ``<linear>.base_layer.weight``), again only
+after a level-2 sleep dropped it. Every sync writes the adapters (whole matrices, every
 pipeline stage's) as a peft folder in this rank's private temporary directory and makes a new
 ``LoRARequest`` (a new name and id: vLLM keys its prefix cache on the name) that every generate
 passes; the previous adapter is removed from vLLM and its folder deleted, so one folder exists
@@ -130,6 +131,22 @@ def broadcast_rollout_batch(batch: RolloutBatch, *, src: int, group) -> RolloutB
     tokens, mask, lps, plens, lengths = (t.cpu() for t in parts)
     responses = [tokens[s, plens[s]:plens[s] + lengths[s]].tolist() for s in range(tokens.shape[0])]
     return RolloutBatch(tokens, mask, lps, plens, responses)
+
+
+VLLM_LORA_WRAPPED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The HF linears vLLM wraps in a LoRA layer when it is built with ``enable_lora`` (all of them,
+whatever an adapter targets): the wrapper holds the original linear as ``base_layer``."""
+
+
+def vllm_lora_base_name(name: str) -> str:
+    """The name vLLM's ``model.load_weights`` takes for the HF weight ``name`` when LoRA is on:
+    a wrapped linear's weight and bias live under ``base_layer`` (``...q_proj.base_layer.weight``;
+    the plain name is a KeyError there), everything else keeps its name."""
+    module, _, leaf = name.rpartition(".")
+    if leaf in ("weight", "bias") and module.rpartition(".")[2] in VLLM_LORA_WRAPPED \
+            and ".experts." not in module:
+        return f"{module}.base_layer.{leaf}"
+    return name
 
 
 def _rank() -> int:
@@ -238,6 +255,9 @@ class VLLMEngine:
     def _load(self, bucket) -> None:
         self.llm.collective_rpc(_load_weights_on_worker, args=(bucket,))
 
+    def _load_lora_base(self, bucket) -> None:
+        self._load([(vllm_lora_base_name(name), t) for name, t in bucket])
+
     def update_weights(self, model_chunks=None):
         """Copy the trainer's current weights into vLLM; returns (and keeps) the SyncStats.
 
@@ -259,9 +279,12 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
         self._weights_valid = True
         self.last_sync = stats
-        if _rank() == 0:
+        if _rank() == 0 and stats.adapter_bytes is None:
             logger.info("weight sync: %.2f GB in %.2f s (%.1f GB/s, %d buckets)",
                         stats.bytes / 1e9, stats.seconds, stats.gbps, stats.buckets)
+        elif _rank() == 0:
+            logger.info("weight sync: base %.2f GB, adapters %.1f MB (peft folder) in %.2f s",
+                        stats.base_bytes / 1e9, stats.adapter_bytes / 1e6, stats.seconds)
         return stats
 
     def _sync_lora(self):
@@ -270,7 +293,7 @@ class VLLMEngine:
         adapter slot) and the disk."""
         stats = None
         if not self._base_valid:
-            stats = weight_sync.sync_weights(self.model_chunks, self.model_cfg, self._load,
+            stats = weight_sync.sync_weights(self.model_chunks, self.model_cfg, self._load_lora_base,
                                              bucket_bytes=self.cfg.bucket_bytes, adapters="exclude")
             self._base_valid = True
         old = self.lora_request

@@ -26,7 +26,10 @@ vLLM 0.18 and 0.33 sources):
   seen from its peft folder on disk (refusing a missing folder, a rank above ``max_lora_rank``,
   tensors that are not peft LoRA names or do not fit the loaded base, as vLLM's loader does),
   evicts the least recently used adapter past ``max_loras`` (recorded in ``llm.evicted``), and the
-  samples then also depend on the adapter's tensors and scale. ``llm.llm_engine.remove_lora(id)``
+  samples then also depend on the adapter's tensors and scale. With LoRA on, ``load_weights``
+  takes the linears vLLM wraps for LoRA (q/k/v/o/gate/up/down_proj) only under their
+  ``base_layer`` names and the plain names are a KeyError, as in vLLM (and the reverse without
+  LoRA). ``llm.llm_engine.remove_lora(id)``
   drops an adapter (refused while the weights sleep: vLLM zeroes its slot). Stricter than vLLM:
   a removed id used again fails (vLLM would reload its folder), and so does an adapter whose slot a
   level-2 sleep discarded (vLLM would sample with garbage).
@@ -156,6 +159,10 @@ class _FakeModel:
         names = []
         for name, tensor in weights:
             assert isinstance(name, str) and isinstance(tensor, torch.Tensor), (name, type(tensor))
+            # with LoRA on, vLLM's wrapped linears hold their weights under base_layer
+            if lora_wrapped(name) or needs_wrapping(name):
+                if lora_wrapped(name) != llm.enable_lora:  # vLLM: params_dict[name] fails
+                    raise KeyError(name)
             self.params[name] = tensor.detach().clone()
             self.received.append((name, self.params[name]))
             names.append(name)
@@ -177,6 +184,20 @@ class _FakeWorker:
 
 MAX_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # vLLM 0.10.2 on (later ones add 1)
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def lora_wrapped(name: str) -> bool:
+    """Whether ``name`` is how a vLLM built with ``enable_lora`` names a weight or bias of the
+    linears it wraps in LoRA layers (``...q_proj.base_layer.weight``); True for no other name."""
+    module, _, leaf = name.rpartition(".")
+    wrapper, _, inner = module.rpartition(".")
+    return inner == "base_layer" and wrapper.rpartition(".")[2] in LORA_MODULES
+
+
+def needs_wrapping(name: str) -> bool:
+    """Whether ``name`` is the plain name of such a weight or bias (``...q_proj.weight``)."""
+    module, _, leaf = name.rpartition(".")
+    return leaf in ("weight", "bias") and module.rpartition(".")[2] in LORA_MODULES
 
 
 @dataclass
@@ -238,7 +259,7 @@ def load_peft_folder(path: str, max_rank: int, base: dict[str, torch.Tensor]) ->
         if not name.startswith("base_model.model.") or kind not in ("A.weight", "B.weight") \
                 or module.rsplit(".", 1)[-1] not in LORA_MODULES:
             raise ValueError(f"unexpected LoRA tensor {name}")
-        weight = base.get(f"{module}.weight")
+        weight = base.get(f"{module}.base_layer.weight")
         if weight is None:
             raise ValueError(f"LoRA tensor {name}: the model has no {module}")
         want = (rank, weight.shape[1]) if kind == "A.weight" else (weight.shape[0], rank)

@@ -37,7 +37,7 @@ from emapg_megatron.lora.config import LoRAConfig
 from emapg_megatron.models.config import ModelConfig
 from emapg_megatron.rollout import weight_sync
 from emapg_megatron.rollout.config import VLLMConfig, vllm_max_lora_rank
-from emapg_megatron.rollout.vllm_engine import VLLMEngine
+from emapg_megatron.rollout.vllm_engine import VLLMEngine, vllm_lora_base_name
 from emapg_megatron.rollout.weight_sync import SyncStats
 
 # a call that vLLM would ignore fails; every test runs with the fake installed as ``vllm``
@@ -159,9 +159,13 @@ def test_first_sync_sends_the_base_alone_and_the_adapters_as_a_peft_folder(stubs
     first = engine.generate(PROMPTS, 2, 1.0, 1.0, 8, rng_step=3)
     assert llm.events == ["sleep(1)", "wake_up(weights)", "load_weights", "load_weights",
                           "reset_prefix_cache", "wake_up(kv_cache)", "load_lora(1)", "generate", "sleep(1)"]
-    # the base: exported without the adapter matrices, every tensor of it, no adapter name
+    # the base: exported without the adapter matrices, every tensor of it, no adapter name; the
+    # linears vLLM wraps for LoRA under their base_layer names
     assert [c.adapters for c in stubs] == ["exclude"] and stubs[0].cfg is CFG
-    assert loaded_names(llm) == list(model_chunks[0]["base"]) and not any("lora" in n for n in loaded_names(llm))
+    assert loaded_names(llm) == [vllm_lora_base_name(n) for n in model_chunks[0]["base"]]
+    assert not any("lora" in n for n in loaded_names(llm))
+    assert "model.layers.1.mlp.down_proj.base_layer.weight" in loaded_names(llm)
+    assert "model.norm.weight" in loaded_names(llm)
     # the adapters: a peft folder in this rank's private directory, bit for bit to_peft's tensors
     request = engine.lora_request
     assert (request.lora_name, request.lora_int_id) == ("emapg-policy-1", 1)
@@ -266,7 +270,7 @@ def test_sleep_level_2_without_a_fresh_adapter_would_sample_a_discarded_slot(stu
     engine.generate(PROMPTS, 1, 1.0, 1.0, 4)
     llm = engine.llm
     llm.wake_up()
-    llm.model.params = dict(engine.model_chunks[0]["base"])
+    llm.model.params = {vllm_lora_base_name(n): t for n, t in engine.model_chunks[0]["base"].items()}
     llm.weights_valid = True
     with pytest.raises(RuntimeError, match="discarded by sleep"):
         llm.generate([{"prompt_token_ids": [1, 2]}], lora_request=engine.lora_request)
@@ -341,7 +345,9 @@ def _folder(tmp_path, rank: int) -> str:
 
 def test_the_fake_refuses_a_missing_folder_a_rank_too_high_and_lora_off(tmp_path):
     llm = FakeLLM(hf_dir(tmp_path), enable_lora=True, max_lora_rank=8, max_loras=1)
-    llm.model.load_weights(list(base_hf().items()))
+    with pytest.raises(KeyError, match="q_proj.weight"):  # vLLM's wrapped linears: base_layer names
+        llm.model.load_weights(list(base_hf().items()))
+    llm.model.load_weights([(vllm_lora_base_name(n), t) for n, t in base_hf().items()])
     prompt = [{"prompt_token_ids": [1, 2]}]
     with pytest.raises(ValueError, match="No adapter found"):
         llm.generate(prompt, lora_request=LoRARequest("a", 1, str(tmp_path / "nowhere")))
@@ -351,11 +357,13 @@ def test_the_fake_refuses_a_missing_folder_a_rank_too_high_and_lora_off(tmp_path
     ok = llm.generate(prompt, lora_request=LoRARequest("c", 3, fits))
     assert ok and llm.lora_loads[-1]["rank"] == 8
     off = FakeLLM(hf_dir(tmp_path))
+    with pytest.raises(KeyError, match="base_layer"):
+        off.model.load_weights([(vllm_lora_base_name(n), t) for n, t in base_hf().items()])
     off.model.load_weights(list(base_hf().items()))
     with pytest.raises(ValueError, match="LoRA is not enabled"):
         off.generate(prompt, lora_request=LoRARequest("c", 3, fits))
     small = FakeLLM(hf_dir(tmp_path), enable_lora=True, max_lora_rank=8, max_loras=1)
-    small.model.load_weights([(n, t[:, :32] if n.endswith("q_proj.weight") else t)
+    small.model.load_weights([(vllm_lora_base_name(n), t[:, :32] if n.endswith("q_proj.weight") else t)
                               for n, t in base_hf().items()])
     with pytest.raises(ValueError, match=r"q_proj.lora_A.weight: shape \(8, 64\), expected \(8, 32\)"):
         small.generate(prompt, lora_request=LoRARequest("c", 3, fits))  # another base model
@@ -494,7 +502,8 @@ def test_real_lora_model_streams_its_base_and_adapters_into_vllm(tmp_path, tp, p
         names = [n for names in res["loads"] for n in names]
         assert res["base_loads"] == len(res["loads"]) > 0  # the second sync sent no base weight
         assert not any("lora" in n for n in names)
-        assert names == [n for n, _ in res["direct"]]
+        assert names == [vllm_lora_base_name(n) for n, _ in res["direct"]]
+        assert sum(".base_layer." in n for n in names) == 2 * (7 + 3)  # 7 linears and q/k/v's bias
         assert all(torch.equal(a, b) for (_, a), (_, b) in zip(res["received"], res["direct"]))
         assert res["own"][0] != res["own"][1]  # new adapters, new samples
         assert res["removed"] == [1] and res["evicted"] == [] and not res["root_left"]

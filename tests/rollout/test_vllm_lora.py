@@ -136,6 +136,18 @@ def test_llm_kwargs_with_lora_round_the_rank_up_to_one_vllm_accepts(rank, max_ra
     assert VLLMConfig(hf_dir="-", lora=LoRAConfig(rank=0)).lora_kwargs() == {}
 
 
+def test_export_adapter_modes(tmp_path):
+    from emapg_megatron.checkpoint.weights import export_hf_weights
+
+    with pytest.raises(ValueError, match=r"adapters must be one of \('auto', 'exclude'\)"):
+        list(export_hf_weights([], CFG, adapters="include"))
+    assert vllm_lora_base_name("model.layers.3.self_attn.k_proj.bias") == \
+        "model.layers.3.self_attn.k_proj.base_layer.bias"
+    for kept in ("model.layers.3.input_layernorm.weight", "lm_head.weight", "model.embed_tokens.weight",
+                 "model.layers.0.mlp.experts.2.down_proj.weight", "model.layers.0.self_attn.q_norm.weight"):
+        assert vllm_lora_base_name(kept) == kept
+
+
 def test_rank_above_vllms_largest_is_one_line_and_the_fake_validates_like_vllm(tmp_path):
     with pytest.raises(ConfigError) as err:
         VLLMConfig(hf_dir=hf_dir(tmp_path), lora=LoRAConfig(rank=513)).check_settings()

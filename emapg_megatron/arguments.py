@@ -31,7 +31,12 @@ from emapg_megatron.models.config import (
     PrecisionConfig,
     validate_fp8_shapes,
 )
-from emapg_megatron.rollout.config import PartialRolloutConfig, SamplerConfig, VLLMConfig
+from emapg_megatron.rollout.config import (
+    VLLM_MAX_LORA_RANKS,
+    PartialRolloutConfig,
+    SamplerConfig,
+    VLLMConfig,
+)
 from emapg_megatron.run.config import CheckpointConfig, EvalConfig, LogConfig, LoopConfig
 from emapg_megatron.runtime.config import ParallelConfig
 from emapg_megatron.tasks.config import TaskConfig
@@ -88,8 +93,9 @@ class RunConfig:
         return configurable.flat(self)
 
     def vllm_engine_config(self) -> VLLMConfig:
-        """vLLM's config with what the run decides: the model directory, seed and TP degree."""
-        return replace(self.vllm, hf_dir=self.model.load_hf or "", seed=self.loop.seed).for_trainer(
+        """vLLM's config with what the run decides: the model directory, seed, TP degree and LoRA."""
+        return replace(self.vllm, hf_dir=self.model.load_hf or "", seed=self.loop.seed,
+                       lora=self.lora if self.lora.enabled else None).for_trainer(
             self.parallel.tensor_model_parallel_size)
 
 
@@ -216,8 +222,9 @@ def _validate_lora(cfg: RunConfig) -> None:
             (prec.transformer_impl == "transformer_engine",
              "needs Megatron's local linears (Transformer Engine's take no adapter yet): use "
              "--transformer-impl local or auto"),
-            (cfg.sampler.engine == "vllm", "does not support --rollout-engine vllm yet (the weight sync "
-                                           "has no adapter mapping): use the built-in sampler")):
+            (cfg.sampler.engine == "vllm" and cfg.lora.rank > VLLM_MAX_LORA_RANKS[-1],
+             f"is above vLLM's largest max_lora_rank ({VLLM_MAX_LORA_RANKS[-1]}): use the built-in "
+             "sampler or a lower rank")):
         _check(not refused, f"{rank} {why}")
 
 

@@ -36,7 +36,7 @@ def run(argv=None) -> int:
     load, save, log = cfg.checkpoint.load, cfg.checkpoint.save, cfg.log
     runtime.initialize(cfg.parallel, cfg.loop.seed)
     prompt_cache.release()  # every rank has read the node's prompts: its process group exists
-    locks = []
+    locks, trainer = [], None
     try:
         locks = lock_outputs(save, log.log_dir)  # one run per --save and per --log-dir
         on_rank0(lambda: arguments.validate_fresh_outputs(cfg))  # again, now that no other run can write them
@@ -62,6 +62,9 @@ def run(argv=None) -> int:
         if png:
             loop.log0(f"metrics: {log.metrics_path}; curves: {png}")
     finally:
+        close = getattr(getattr(trainer, "engine", None), "close", None)
+        if close is not None:  # vLLM's LoRA adapter folders
+            close()
         for lock in locks:
             lock.release()
         runtime.destroy()

@@ -144,7 +144,9 @@ def test_gpu_tests_trainer_command_lines_pass_the_cli(gpu_helpers, tiny_hf_model
 
     g = gpu_helpers
     variants = [(g.LOCAL_SPEC, "local"), *[(flags, "auto") for flags in g.EMA_MODES.values()],
-                (g.FP8_HYBRID, "transformer_engine"), (g.vllm_flags(tiny_hf_model), "auto")]
+                (g.FP8_HYBRID, "transformer_engine"), (g.vllm_flags(tiny_hf_model), "auto"),
+                (g.vllm_flags(tiny_hf_model) + ["--lora-rank", "8", "--lora-alpha", "16", "--vllm-sleep-level", "1",
+                                                "--train-iters", "3"], "auto")]
     for extra, impl in variants:
         assert train.run(g.TRAINER_BASE + extra + ["--dry-run=json"]) == 0, extra
         a = json.loads(capsys.readouterr().out)["args"]

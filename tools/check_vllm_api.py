@@ -2,11 +2,13 @@
 
 vLLM needs CUDA, so CPU machines cannot run the engine; this reads vLLM's *source* (an installed
 package, or an unpacked wheel) with ``ast`` and checks every name the engine relies on: the
-``LLM`` keyword arguments (as ``EngineArgs`` fields), the ``SamplingParams`` fields, the ``LLM``
-methods and their parameters, the worker's ``get_model``, the models' ``load_weights``, the
-``CompletionOutput`` fields, and the option values (``external_launcher``,
+``LLM`` keyword arguments (as ``EngineArgs`` fields, LoRA's included), the ``SamplingParams``
+fields, the ``LLM`` methods and their parameters, the worker's ``get_model``, the models'
+``load_weights``, the ``CompletionOutput`` fields, LoRA's ``LoRARequest`` fields and
+``LLMEngine.remove_lora``, and the option values (``external_launcher``,
 ``processed_logprobs``). The keyword arguments are taken from the engine's own code
-(:meth:`VLLMConfig.llm_kwargs_for`, :func:`sampling_kwargs`), so the check follows the engine.
+(:meth:`VLLMConfig.llm_kwargs_for` with a LoRA rank, :func:`sampling_kwargs`), so the check
+follows the engine.
 
     python tools/check_vllm_api.py                      # the installed vLLM (the Docker build runs this)
     python tools/check_vllm_api.py --source DIR         # DIR/vllm/... e.g. an unzipped wheel
@@ -41,10 +43,12 @@ class Requirement:
 
 
 def requirements() -> list[Requirement]:
+    from emapg_megatron.lora.config import LoRAConfig
     from emapg_megatron.rollout.config import VLLMConfig
     from emapg_megatron.rollout.vllm_engine import sampling_kwargs
 
-    llm_kwargs = sorted(VLLMConfig(hf_dir="-").llm_kwargs_for(1))
+    # with a LoRA rank: every keyword the engine may pass (enable_lora, max_lora_rank, max_loras too)
+    llm_kwargs = sorted(VLLMConfig(hf_dir="-", lora=LoRAConfig(rank=8)).llm_kwargs_for(1))
     sp_kwargs = sorted(sampling_kwargs(n=1, temperature=1.0, top_p=1.0, max_tokens=1, stop=None,
                                        seed=None))
     llm, worker = "vllm/entrypoints/llm.py", "vllm/v1/worker/gpu_model_runner.py"
@@ -53,8 +57,8 @@ def requirements() -> list[Requirement]:
                     "vllm.LLM(**VLLMConfig.llm_kwargs_for(...))"),
         Requirement("vllm/sampling_params.py", "SamplingParams", "fields", tuple(sp_kwargs),
                     "SamplingParams(**sampling_kwargs(...))"),
-        Requirement(llm, "LLM", "method", ("generate", "prompts", "sampling_params", "use_tqdm"),
-                    "sampling"),
+        Requirement(llm, "LLM", "method", ("generate", "prompts", "sampling_params", "use_tqdm",
+                                           "lora_request"), "sampling (with LoRA: the adapter)"),
         Requirement(llm, "LLM", "method", ("sleep", "level"), "sleep while training"),
         Requirement(llm, "LLM", "method", ("wake_up", "tags"), "wake weights / KV cache apart"),
         Requirement(llm, "LLM", "method", ("collective_rpc", "method", "args"), "weight sync"),
@@ -66,6 +70,11 @@ def requirements() -> list[Requirement]:
                     ("load_weights", "weights"), "weight sync into Qwen2 / R1-Distill"),
         Requirement("vllm/model_executor/models/llama.py", "LlamaForCausalLM", "method",
                     ("load_weights", "weights"), "weight sync into Llama"),
+        Requirement("vllm/lora/request.py", "LoRARequest", "fields",
+                    ("lora_name", "lora_int_id", "lora_path"),
+                    "LoRA: each sync's adapter, a peft folder on disk"),
+        Requirement("vllm/v1/engine/llm_engine.py", "LLMEngine", "method", ("remove_lora", "lora_id"),
+                    "LoRA: LLM.llm_engine drops the previous adapter"),
         Requirement("vllm/outputs.py", "CompletionOutput", "fields",
                     ("index", "text", "token_ids", "logprobs", "finish_reason"),
                     "reading samples"),

@@ -190,8 +190,10 @@ def phase_stages(phase: str, python: str = sys.executable, pytest_timeout_plugin
                              ["tests/gpu/test_gpu_optional.py", "-k", "transformer_engine or fp8"], group)]
     if phase == "vllm":
         return [install, env,
+                # LoRA through vLLM (test_vllm_lora_rollouts_sync_adapters_only) is one more vLLM
+                # start: left out of this 300 s stage until a check is sized for it (docs/lora.md)
                 pytest_stage("vllm_tests", "vLLM rollout engine: weight sync, sleep/wake, log-prob agreement", 300,
-                             ["tests/gpu/test_gpu_optional.py", "-k", "vllm"], group)]
+                             ["tests/gpu/test_gpu_optional.py", "-k", "vllm and not lora"], group)]
     raise ValueError(f"unknown phase {phase!r}")
 
 

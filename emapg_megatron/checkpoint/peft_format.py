@@ -115,16 +115,19 @@ def peft_config(cfg: LoRAConfig, adapters: Mapping[str, torch.Tensor], model_cfg
 
 
 def save_peft(out_dir: str | Path, cfg: LoRAConfig, adapters: Mapping[str, torch.Tensor],
-              model_cfg: ModelConfig, base: str | None = None) -> None:
-    """Write ``out_dir`` (a new or empty folder) in peft's format."""
+              model_cfg: ModelConfig, base: str | None = None) -> int:
+    """Write ``out_dir`` (a new or empty folder) in peft's format; returns the tensor bytes
+    written (peft's names: a fused layer's shared A counts once per projection)."""
     from safetensors.torch import save_file
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if any(out.iterdir()):
         raise ConfigError(f"{out} is not empty: the adapter folder is written afresh")
-    save_file(to_peft(adapters, model_cfg), str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+    state = to_peft(adapters, model_cfg)
+    save_file(state, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
     (out / CONFIG_FILE).write_text(json.dumps(peft_config(cfg, adapters, model_cfg, base), indent=2) + "\n")
+    return sum(t.numel() * t.element_size() for t in state.values())
 
 
 def read_peft_config(adapter_dir: str | Path) -> LoRAConfig:

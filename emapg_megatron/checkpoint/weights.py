@@ -81,12 +81,33 @@ def _named_params(model_chunks, base_only: bool = False):
             yield global_param_name(gpt, name), p
 
 
+ADAPTER_MODES = ("auto", "exclude")
+
+
 def _merged(model_chunks) -> bool:
     """Whether the chunks carry LoRA adapters, every one merged into its base weight: the base
     weights are then the adapted model's, and the adapter matrices are left out of an export."""
     from emapg_megatron.lora.apply import has_adapters, is_merged
 
     return all(has_adapters(c) and is_merged(c) for c in model_chunks)
+
+
+def _base_only(model_chunks, adapters: str) -> bool:
+    """Whether an export leaves LoRA's adapter matrices out. ``"auto"``: only when every adapter
+    is merged (the base weights are then the adapted model's; unmerged adapters are refused as
+    unmapped parameters). ``"exclude"``: always, the frozen base alone (a rollout engine that
+    applies the adapters itself, docs/lora.md), which refuses merged adapters: their update is
+    in the base weights then."""
+    from emapg_megatron.lora.apply import any_merged
+
+    if adapters not in ADAPTER_MODES:
+        raise ValueError(f"adapters must be one of {ADAPTER_MODES} (got {adapters!r})")
+    if adapters == "auto":
+        return _merged(model_chunks)
+    if any(any_merged(c) for c in model_chunks):
+        raise ConfigError("the base weights alone (adapters='exclude') cannot be exported with LoRA "
+                          "adapters merged into them: unmerge first")
+    return True
 
 
 def _check_layout(name: str, codec, param) -> None:
@@ -280,13 +301,14 @@ def _hf_pairs(mapping: HFMapping, item: _Item, shards, experts: _Experts) -> lis
 
 
 def export_hf_buckets(model_chunks, model_cfg: ModelConfig, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                      all_stages: bool = True, dtype: torch.dtype | None = None
+                      all_stages: bool = True, dtype: torch.dtype | None = None, adapters: str = "auto"
                       ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Like :func:`export_hf_weights`, one list per communication bucket."""
     mapping = HFMapping(model_cfg)
     experts = _Experts.of_this_rank(model_cfg)
+    base_only = _base_only(model_chunks, adapters)
     local = {experts.slot_name(mapping.lookup(n).megatron): high_precision(n, p.detach())
-             for n, p in _mapped(model_chunks, mapping, experts, base_only=_merged(model_chunks))
+             for n, p in _mapped(model_chunks, mapping, experts, base_only=base_only)
              if mapping.lookup(n).export}
     tp, tp_group = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_group()
     pp, stage = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
@@ -327,7 +349,7 @@ def export_hf_buckets(model_chunks, model_cfg: ModelConfig, *, bucket_bytes: int
 
 
 def export_hf_weights(model_chunks, model_cfg: ModelConfig, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                      all_stages: bool = True, dtype: torch.dtype | None = None
+                      all_stages: bool = True, dtype: torch.dtype | None = None, adapters: str = "auto"
                       ) -> Iterator[tuple[str, torch.Tensor]]:
     """Stream the model as full HF ``(name, tensor)`` pairs (padding removed, tied head omitted).
 
@@ -336,8 +358,11 @@ def export_hf_weights(model_chunks, model_cfg: ModelConfig, *, bucket_bytes: int
     bucket, unless one parameter alone is bigger); with ``all_stages`` the bucket is then
     broadcast from the owning pipeline stage so every rank yields every tensor, otherwise each
     stage yields only what it owns. Tensors stay on the model's device, in its dtype unless
-    ``dtype`` is given (e.g. ``torch.bfloat16`` for a rollout engine).
+    ``dtype`` is given (e.g. ``torch.bfloat16`` for a rollout engine). A LoRA model's adapter
+    matrices (``adapters``): ``"auto"`` leaves them out only when every adapter is merged (else
+    refuses them); ``"exclude"`` streams the frozen base alone (vLLM's LoRA path, which gets the
+    adapters in peft's format instead).
     """
     for bucket in export_hf_buckets(model_chunks, model_cfg, bucket_bytes=bucket_bytes,
-                                    all_stages=all_stages, dtype=dtype):
+                                    all_stages=all_stages, dtype=dtype, adapters=adapters):
         yield from bucket

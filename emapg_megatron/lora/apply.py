@@ -211,6 +211,11 @@ def is_merged(model) -> bool:
     return bool(layers) and all(layer.lora.merged for layer in layers)
 
 
+def any_merged(model) -> bool:
+    """Whether any adapter of ``model`` is merged into its base weight."""
+    return any(layer.lora.merged for layer in _adapted_layers(model))
+
+
 def merge_lora(model) -> None:
     """Fold every adapter into its base weight (:func:`adapters.merge`)."""
     for layer in _adapted_layers(model):

@@ -9,12 +9,24 @@ from dataclasses import dataclass, field, replace
 
 from emapg_megatron.configurable import above, at_least, between, check_fields, option
 from emapg_megatron.errors import ConfigError
+from emapg_megatron.lora.config import LoRAConfig
 
 ENGINES = ("megatron", "vllm")
 MAX_FORWARD_TOKENS = 16384
 """Tokens (rows x width) above which a cached forward runs in micro-batches of rows: the default
 of --inference-batch-times-seqlen-threshold."""
 DEFAULT_BUCKET_MB = 512
+VLLM_MAX_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
+"""The values vLLM (0.10.2 on; later ones add 1) accepts as ``max_lora_rank``."""
+
+
+def vllm_max_lora_rank(rank: int) -> int:
+    """The smallest ``max_lora_rank`` vLLM accepts that holds adapters of ``rank``."""
+    for allowed in VLLM_MAX_LORA_RANKS:
+        if rank <= allowed:
+            return allowed
+    raise ConfigError(f"--lora-rank {rank} is above vLLM's largest max_lora_rank "
+                      f"({VLLM_MAX_LORA_RANKS[-1]}): use the built-in sampler or a lower rank")
 
 
 @dataclass
@@ -136,6 +148,9 @@ class VLLMConfig:
     """Seed each request from its global sequence index: samples independent of the DP layout."""
     llm_kwargs: dict = field(default_factory=dict)
     """Anything else for vllm.LLM."""
+    lora: LoRAConfig | None = None
+    """The run's LoRA (--lora-rank > 0): vLLM serves the adapters through its LoRA requests on
+    the frozen base (docs/lora.md, "Rollouts through vLLM")."""
 
     @property
     def bucket_bytes(self) -> int:
@@ -161,6 +176,8 @@ class VLLMConfig:
             # The sync loads the trainer's BF16 tensors as they are: quantized vLLM weights would
             # need re-quantizing after every load.
             raise ConfigError(f"vLLM llm_kwargs {refused} are not supported by the weight sync")
+        if self.lora is not None and self.lora.enabled:
+            vllm_max_lora_rank(self.lora.rank)
         tp = self.tensor_parallel_size or trainer_tp or 1
         if trainer_tp is not None and trainer_tp % tp != 0:
             # A vLLM TP group must not straddle two data-parallel ranks (different prompts).
@@ -182,5 +199,13 @@ class VLLMConfig:
             "enable_prefix_caching": self.enable_prefix_caching,
             "load_format": "dummy",
             "logprobs_mode": "processed_logprobs",
+            **self.lora_kwargs(),
             **self.llm_kwargs,
         }
+
+    def lora_kwargs(self) -> dict:
+        """vLLM's LoRA engine arguments for the run's adapters (none without LoRA): one adapter
+        at a time, its rank rounded up to one vLLM accepts."""
+        if self.lora is None or not self.lora.enabled:
+            return {}
+        return {"enable_lora": True, "max_lora_rank": vllm_max_lora_rank(self.lora.rank), "max_loras": 1}

@@ -27,6 +27,15 @@ generate syncs from the trainer (``model_chunks``) through
 :func:`emapg_megatron.rollout.weight_sync.sync_weights`, which streams HF-named full tensors
 into the worker's ``model.load_weights`` via ``LLM.collective_rpc``.
 
+LoRA (``cfg.lora``; docs/lora.md, "Rollouts through vLLM"). vLLM is built with ``enable_lora``
+and one adapter slot; the frozen base streams once (``adapters="exclude"``: no adapter matrix;
+the linears vLLM wraps for LoRA take their weights as ``<linear>.base_layer.weight``), again only
+after a level-2 sleep dropped it. Every sync writes the adapters (whole matrices, every
+pipeline stage's) as a peft folder in this rank's private temporary directory and makes a new
+``LoRARequest`` (a new name and id: vLLM keys its prefix cache on the name) that every generate
+passes; the previous adapter is removed from vLLM and its folder deleted, so one folder exists
+at a time. :meth:`VLLMEngine.close` (or garbage collection) deletes the directory.
+
 Importing this module never imports vLLM; constructing an engine without vLLM raises a
 one-line :class:`~emapg_megatron.errors.ConfigError`.
 """
@@ -36,8 +45,12 @@ from __future__ import annotations
 import contextlib
 import gc
 import hashlib
+import importlib
 import logging
 import os
+import shutil
+import tempfile
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -120,6 +133,26 @@ def broadcast_rollout_batch(batch: RolloutBatch, *, src: int, group) -> RolloutB
     return RolloutBatch(tokens, mask, lps, plens, responses)
 
 
+VLLM_LORA_WRAPPED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The HF linears vLLM wraps in a LoRA layer when it is built with ``enable_lora`` (all of them,
+whatever an adapter targets): the wrapper holds the original linear as ``base_layer``."""
+
+
+def vllm_lora_base_name(name: str) -> str:
+    """The name vLLM's ``model.load_weights`` takes for the HF weight ``name`` when LoRA is on:
+    a wrapped linear's weight and bias live under ``base_layer`` (``...q_proj.base_layer.weight``;
+    the plain name is a KeyError there), everything else keeps its name."""
+    module, _, leaf = name.rpartition(".")
+    if leaf in ("weight", "bias") and module.rpartition(".")[2] in VLLM_LORA_WRAPPED \
+            and ".experts." not in module:
+        return f"{module}.base_layer.{leaf}"
+    return name
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
 def _load_weights_on_worker(worker, weights) -> None:
     # Runs inside the vLLM worker (in this process: external_launcher, in-process engine core).
     # get_model() unwraps the CUDA-graph wrapper that model_runner.model may be.
@@ -154,14 +187,24 @@ class VLLMEngine:
         self.pad_id = pad_id
         self.model_chunks = model_chunks
         self._sampling_params_cls = vllm.SamplingParams
+        self.lora = cfg.lora if cfg.lora is not None and cfg.lora.enabled else None
+        if self.lora is not None:
+            self._lora_request_cls = importlib.import_module("vllm.lora.request").LoRARequest
         self.llm = vllm.LLM(**cfg.llm_kwargs_for(seq_length))
         self.tokenizer = self.llm.get_tokenizer()
         self.needs_broadcast = (pipeline_parallel > 1 or
                                 (trainer_tp is not None and trainer_tp != cfg.tensor_parallel_size))
         self._weights_awake = self._kv_awake = True
         self._weights_valid = False  # dummy weights until the first sync
+        self._base_valid = False  # LoRA: vLLM holds the frozen base (synced once, until dropped)
         self._depth = 0
         self.last_sync = None
+        self.lora_request = None  # LoRA: the adapter every generate passes (None before a sync)
+        self._lora_dir = None
+        self._closed = False
+        if self.lora is not None:  # private (0700), this rank's; one adapter folder at a time
+            self._lora_dir = tempfile.mkdtemp(prefix=f"emapg-vllm-lora-r{_rank()}-")
+            self._cleanup = weakref.finalize(self, shutil.rmtree, self._lora_dir, True)
         self._sleep()
 
     # --- memory states ---------------------------------------------------------------
@@ -171,7 +214,9 @@ class VLLMEngine:
         self.llm.sleep(level=self.cfg.sleep_level)
         self._weights_awake = self._kv_awake = False
         if self.cfg.sleep_level == 2:
-            self._weights_valid = False  # level 2 drops the weights: resync before generating
+            # level 2 drops the weights (LoRA: the base and the adapter slot too): resync both
+            # before generating
+            self._weights_valid = self._base_valid = False
 
     def _wake(self, tag: str) -> None:
         # vLLM maps fresh physical memory on wake: give back what torch's allocator caches
@@ -210,24 +255,66 @@ class VLLMEngine:
     def _load(self, bucket) -> None:
         self.llm.collective_rpc(_load_weights_on_worker, args=(bucket,))
 
+    def _load_lora_base(self, bucket) -> None:
+        self._load([(vllm_lora_base_name(name), t) for name, t in bucket])
+
     def update_weights(self, model_chunks=None):
         """Copy the trainer's current weights into vLLM; returns (and keeps) the SyncStats.
 
-        The weights stay awake afterwards: the next generate only has to wake the KV cache.
+        With LoRA: the frozen base only when vLLM lacks it (the first sync, and after a level-2
+        sleep), then the adapters as a new LoRA request. The weights stay awake afterwards: the
+        next generate only has to wake the KV cache.
         """
+        if self._closed:
+            raise RuntimeError("VLLMEngine.update_weights after close()")
         if model_chunks is not None:
             self.model_chunks = model_chunks
         if not self._weights_awake:
             self._wake("weights")  # the KV cache stays released while new weights stream in
-        stats = weight_sync.sync_weights(self.model_chunks, self.model_cfg, self._load,
-                             bucket_bytes=self.cfg.bucket_bytes)
+        if self.lora is None:
+            stats = weight_sync.sync_weights(self.model_chunks, self.model_cfg, self._load,
+                                             bucket_bytes=self.cfg.bucket_bytes)
+        else:
+            stats = self._sync_lora()
         self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
         self._weights_valid = True
         self.last_sync = stats
-        if not dist.is_initialized() or dist.get_rank() == 0:
+        if _rank() == 0 and stats.adapter_bytes is None:
             logger.info("weight sync: %.2f GB in %.2f s (%.1f GB/s, %d buckets)",
                         stats.bytes / 1e9, stats.seconds, stats.gbps, stats.buckets)
+        elif _rank() == 0:
+            logger.info("weight sync: base %.2f GB, adapters %.1f MB (peft folder) in %.2f s",
+                        stats.base_bytes / 1e9, stats.adapter_bytes / 1e6, stats.seconds)
         return stats
+
+    def _sync_lora(self):
+        """The base if vLLM lacks it, then the adapters in a new peft folder and LoRA request;
+        the previous adapter leaves vLLM (while its weights are awake: removing writes to the
+        adapter slot) and the disk."""
+        stats = None
+        if not self._base_valid:
+            stats = weight_sync.sync_weights(self.model_chunks, self.model_cfg, self._load_lora_base,
+                                             bucket_bytes=self.cfg.bucket_bytes, adapters="exclude")
+            self._base_valid = True
+        old = self.lora_request
+        new_id = (old.lora_int_id if old is not None else 0) + 1
+        path = os.path.join(self._lora_dir, f"adapter-{new_id}")
+        adapter = weight_sync.sync_adapters(self.model_chunks, self.model_cfg, self.lora, path)
+        if old is not None:
+            self.llm.llm_engine.remove_lora(old.lora_int_id)
+            shutil.rmtree(old.lora_path, ignore_errors=True)
+        # the same name and id on every rank (vLLM's TP ranks schedule alike); the path is this rank's
+        self.lora_request = self._lora_request_cls(lora_name=f"emapg-policy-{new_id}",
+                                                   lora_int_id=new_id, lora_path=path)
+        return adapter if stats is None else stats + adapter
+
+    def close(self) -> None:
+        """Delete the LoRA adapter folders (nothing to do without LoRA); the engine syncs no more.
+        Idempotent; garbage collection does the same."""
+        self._closed = True
+        self.lora_request = None
+        if self._lora_dir is not None:
+            self._cleanup()
 
     def metrics(self) -> dict:
         return self.last_sync.metrics() if self.last_sync is not None else {}
@@ -242,7 +329,9 @@ class VLLMEngine:
     def _run(self, token_histories: Sequence[Sequence[int]], params: list):
         inputs = [{"prompt_token_ids": [int(i) for i in h]} for h in token_histories]
         with self.awake():
-            return self.llm.generate(inputs, params, use_tqdm=False)
+            if self.lora is not None and self.lora_request is None:
+                raise RuntimeError("VLLMEngine has LoRA on but no adapter: call update_weights first")
+            return self.llm.generate(inputs, params, use_tqdm=False, lora_request=self.lora_request)
 
     def _agree(self, batch: RolloutBatch, episodes: list[Episode] | None = None) -> RolloutBatch:
         """Every rank of the model-parallel group takes its first rank's batch (and episode

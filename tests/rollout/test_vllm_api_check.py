@@ -48,11 +48,16 @@ def write_tree(root, drop=lambda req, name: False):
 
 
 def test_requirements_follow_the_engine_code():
+    from emapg_megatron.lora.config import LoRAConfig
     from emapg_megatron.rollout.config import VLLMConfig
 
     by_cls = {r.cls: r for r in api.requirements() if r.kind == "fields"}
-    assert set(by_cls["EngineArgs"].names) == set(VLLMConfig(hf_dir="-").llm_kwargs_for(8))
+    with_lora = VLLMConfig(hf_dir="-", lora=LoRAConfig(rank=16)).llm_kwargs_for(8)
+    assert set(by_cls["EngineArgs"].names) == set(with_lora)
+    assert set(with_lora) - set(VLLMConfig(hf_dir="-").llm_kwargs_for(8)) == {
+        "enable_lora", "max_lora_rank", "max_loras"}
     assert {"logprobs", "seed", "include_stop_str_in_output"} <= set(by_cls["SamplingParams"].names)
+    assert set(by_cls["LoRARequest"].names) == {"lora_name", "lora_int_id", "lora_path"}
 
 
 def test_complete_tree_passes(tmp_path):
@@ -69,6 +74,10 @@ def test_complete_tree_passes(tmp_path):
     ("LLM", "collective_rpc", "LLM.collective_rpc()"),
     ("GPUModelRunner", "get_model", "GPUModelRunner.get_model()"),
     ("", "processed_logprobs", "'processed_logprobs' in vllm/config"),
+    ("EngineArgs", "max_lora_rank", "EngineArgs.max_lora_rank"),
+    ("LLM", "lora_request", "LLM.generate(lora_request=)"),
+    ("LoRARequest", "lora_int_id", "LoRARequest.lora_int_id"),
+    ("LLMEngine", "remove_lora", "LLMEngine.remove_lora()"),
 ])
 def test_each_missing_name_is_reported(tmp_path, cls, name, expected):
     report = api.check(write_tree(tmp_path, drop=lambda r, n: r.cls == cls and n == name))

@@ -20,6 +20,19 @@ vLLM 0.18 and 0.33 sources):
   in *reversed* ``index`` order. The ``n`` samples of a request with ``seed=s`` use ``s + k`` (as
   vLLM's parallel sampling does); a sample's tokens are a deterministic function of the loaded
   weights, the prompt ids and that seed. Each sampled token's log-prob is :func:`fake_logprob`.
+* LoRA: ``LLM(enable_lora=, max_lora_rank=, max_loras=)`` validated as vLLM does (a
+  ``max_lora_rank`` outside vLLM's allowed values raises); ``vllm.lora.request.LoRARequest`` has
+  vLLM's signature and checks; ``generate(..., lora_request=)`` loads an adapter id it has not
+  seen from its peft folder on disk (refusing a missing folder, a rank above ``max_lora_rank``,
+  tensors that are not peft LoRA names or do not fit the loaded base, as vLLM's loader does),
+  evicts the least recently used adapter past ``max_loras`` (recorded in ``llm.evicted``), and the
+  samples then also depend on the adapter's tensors and scale. With LoRA on, ``load_weights``
+  takes the linears vLLM wraps for LoRA (q/k/v/o/gate/up/down_proj) only under their
+  ``base_layer`` names and the plain names are a KeyError, as in vLLM (and the reverse without
+  LoRA). ``llm.llm_engine.remove_lora(id)``
+  drops an adapter (refused while the weights sleep: vLLM zeroes its slot). Stricter than vLLM:
+  a removed id used again fails (vLLM would reload its folder), and so does an adapter whose slot a
+  level-2 sleep discarded (vLLM would sample with garbage).
 
 The engine's weight export (``weight_sync.sync_weights``) is stubbed by the ``fake_sync`` fixture,
 except in the last test: a real tiny Megatron model at TP=2 or PP=2 (two spawned ranks) streams
@@ -29,6 +42,8 @@ model-parallel group.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import random
 import sys
@@ -144,6 +159,10 @@ class _FakeModel:
         names = []
         for name, tensor in weights:
             assert isinstance(name, str) and isinstance(tensor, torch.Tensor), (name, type(tensor))
+            # with LoRA on, vLLM's wrapped linears hold their weights under base_layer
+            if lora_wrapped(name) or needs_wrapping(name):
+                if lora_wrapped(name) != llm.enable_lora:  # vLLM: params_dict[name] fails
+                    raise KeyError(name)
             self.params[name] = tensor.detach().clone()
             self.received.append((name, self.params[name]))
             names.append(name)
@@ -163,6 +182,97 @@ class _FakeWorker:
         self.model_runner = SimpleNamespace(get_model=lambda: model)
 
 
+MAX_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # vLLM 0.10.2 on (later ones add 1)
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def lora_wrapped(name: str) -> bool:
+    """Whether ``name`` is how a vLLM built with ``enable_lora`` names a weight or bias of the
+    linears it wraps in LoRA layers (``...q_proj.base_layer.weight``); True for no other name."""
+    module, _, leaf = name.rpartition(".")
+    wrapper, _, inner = module.rpartition(".")
+    return inner == "base_layer" and wrapper.rpartition(".")[2] in LORA_MODULES
+
+
+def needs_wrapping(name: str) -> bool:
+    """Whether ``name`` is the plain name of such a weight or bias (``...q_proj.weight``)."""
+    module, _, leaf = name.rpartition(".")
+    return leaf in ("weight", "bias") and module.rpartition(".")[2] in LORA_MODULES
+
+
+@dataclass
+class LoRARequest:
+    """``vllm.lora.request.LoRARequest``: its fields and checks."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str = ""
+    long_lora_max_len: int | None = None
+    base_model_name: str | None = None
+
+    def __post_init__(self):
+        if self.lora_int_id < 1:
+            raise ValueError(f"id must be > 0, got {self.lora_int_id}")
+        assert self.lora_path, "lora_path cannot be empty"
+
+
+class _FakeLLMEngine:
+    """``LLM.llm_engine``: the adapter registry calls."""
+
+    def __init__(self, llm):
+        self.llm = llm
+
+    def remove_lora(self, lora_id: int) -> bool:
+        llm = self.llm
+        assert lora_id > 0, "lora_id must be greater than 0."
+        llm.events.append(f"remove_lora({lora_id})")
+        if lora_id not in llm.loras:
+            return False
+        if not llm.weights_awake:  # deactivating zeroes the adapter's slot in weight memory
+            raise RuntimeError("remove_lora while the weights sleep (their memory is released)")
+        del llm.loras[lora_id]
+        llm.removed.append(lora_id)
+        return True
+
+    def list_loras(self) -> set[int]:
+        return set(self.llm.loras)
+
+
+def load_peft_folder(path: str, max_rank: int, base: dict[str, torch.Tensor]) -> dict:
+    """An adapter as vLLM's loader reads it: the peft config and safetensors tensors, checked."""
+    from safetensors.torch import load_file
+
+    config_file = os.path.join(path, "adapter_config.json")
+    weights_file = os.path.join(path, "adapter_model.safetensors")
+    if not (os.path.isfile(config_file) and os.path.isfile(weights_file)):
+        raise ValueError(f"Loading lora failed: No adapter found for {path}")
+    with open(config_file) as f:
+        config = json.load(f)
+    rank, alpha = config["r"], config["lora_alpha"]
+    if rank > max_rank:
+        raise ValueError(f"LoRA rank {rank} is greater than max_lora_rank {max_rank}.")
+    if config.get("bias", "none") != "none" or config.get("use_dora") or config.get("modules_to_save"):
+        raise ValueError(f"unsupported peft config {config}")
+    tensors = load_file(weights_file)
+    for name, t in tensors.items():
+        module, _, kind = name.removeprefix("base_model.model.").rpartition(".lora_")
+        if not name.startswith("base_model.model.") or kind not in ("A.weight", "B.weight") \
+                or module.rsplit(".", 1)[-1] not in LORA_MODULES:
+            raise ValueError(f"unexpected LoRA tensor {name}")
+        weight = base.get(f"{module}.base_layer.weight")
+        if weight is None:
+            raise ValueError(f"LoRA tensor {name}: the model has no {module}")
+        want = (rank, weight.shape[1]) if kind == "A.weight" else (weight.shape[0], rank)
+        if tuple(t.shape) != want:
+            raise ValueError(f"LoRA tensor {name}: shape {tuple(t.shape)}, expected {want}")
+    digest = hashlib.sha256(f"{alpha / rank}".encode())
+    for name in sorted(tensors):
+        digest.update(name.encode())
+        digest.update(tensors[name].contiguous().view(torch.uint8).numpy().tobytes())
+    return {"rank": rank, "alpha": alpha, "tensors": tensors, "hash": digest.hexdigest(),
+            "slot_valid": True}
+
+
 class FakeLLM:
     """``vllm.LLM`` (offline entry point) with the memory bookkeeping of sleep mode."""
 
@@ -170,12 +280,26 @@ class FakeLLM:
     ENGINE_ARGS = {"tokenizer", "dtype", "seed", "tensor_parallel_size",
                    "distributed_executor_backend", "gpu_memory_utilization", "max_model_len",
                    "enable_sleep_mode", "enforce_eager", "enable_prefix_caching", "load_format",
-                   "logprobs_mode"}
+                   "logprobs_mode", "enable_lora", "max_lora_rank", "max_loras"}
 
     def __init__(self, model, **kwargs):
         unknown = set(kwargs) - self.ENGINE_ARGS
         if unknown:
             raise TypeError(f"unexpected EngineArgs {sorted(unknown)}")
+        self.enable_lora = bool(kwargs.get("enable_lora", False))
+        self.max_lora_rank = kwargs.get("max_lora_rank", 16)
+        self.max_loras = kwargs.get("max_loras", 1)
+        if self.enable_lora:  # vLLM's LoRAConfig
+            if self.max_lora_rank not in MAX_LORA_RANKS:
+                raise ValueError(f"max_lora_rank ({self.max_lora_rank}) must be one of "
+                                 f"{MAX_LORA_RANKS}.")
+            if self.max_loras < 1:
+                raise ValueError(f"max_loras ({self.max_loras}) must be >= 1")
+        self.loras: dict[int, dict] = {}  # registered adapters by id, least recently used first
+        self.removed: list[int] = []  # ids removed through llm_engine.remove_lora
+        self.evicted: list[int] = []  # ids vLLM's LRU cache dropped to make room
+        self.lora_loads: list[dict] = []  # every adapter read from disk
+        self.llm_engine = _FakeLLMEngine(self)
         self.kwargs = {"model": model, **kwargs}
         self.env_at_init = os.environ.get(MP_ENV)
         self.tokenizer = CharTokenizer()
@@ -214,9 +338,11 @@ class FakeLLM:
             warnings.warn("fake vLLM: sleep() while already sleeping is a no-op")
             return
         self.sleeping_tags = {"weights", "kv_cache"}
-        if level == 2:  # the weights' contents are discarded
+        if level == 2:  # the weights' contents are discarded (the adapters' slots with them)
             self.weights_valid = False
             self.model.params = {}
+            for lora in self.loras.values():
+                lora["slot_valid"] = False
 
     def wake_up(self, tags=None):
         self.events.append(f"wake_up({','.join(tags) if tags else 'all'})")
@@ -239,13 +365,41 @@ class FakeLLM:
         return [method(self.worker, *args, **(kwargs or {}))]
 
     # --- sampling ---------------------------------------------------------------------------
-    def generate(self, prompts, sampling_params=None, *, use_tqdm=True):
+    def _adapter(self, request) -> dict | None:
+        """The adapter of ``request`` (loaded from its folder the first time), or None."""
+        if request is None:
+            return None
+        assert isinstance(request, LoRARequest), type(request)
+        if not self.enable_lora:
+            raise ValueError(f"Got lora_request {request} but LoRA is not enabled!")
+        lora_id = request.lora_int_id
+        if lora_id in self.removed:
+            raise RuntimeError(f"fake vLLM: adapter id {lora_id} was removed (vLLM would reload "
+                               f"{request.lora_path}; a new adapter needs a new id)")
+        if lora_id in self.loras:
+            if not self.loras[lora_id]["slot_valid"]:
+                raise RuntimeError(f"fake vLLM: adapter id {lora_id}'s slot was discarded by sleep(2) "
+                                   "(vLLM would sample with garbage)")
+            lora = self.loras.pop(lora_id)
+        else:
+            lora = load_peft_folder(request.lora_path, self.max_lora_rank, self.model.params)
+            lora.update(name=request.lora_name, path=request.lora_path)
+            self.lora_loads.append({"id": lora_id, **lora})
+            self.events.append(f"load_lora({lora_id})")
+            while len(self.loras) >= self.max_loras:  # vLLM's LRU cache: the oldest goes
+                self.evicted.append(next(iter(self.loras)))
+                del self.loras[self.evicted[-1]]
+        self.loras[lora_id] = lora  # now the most recently used
+        return lora
+
+    def generate(self, prompts, sampling_params=None, *, use_tqdm=True, lora_request=None):
         if not (self.weights_awake and self.kv_awake):
             raise RuntimeError(f"generate() while asleep: {sorted(self.sleeping_tags)}")
         if not self.weights_valid:
             raise RuntimeError("generate() with dummy / discarded weights (no load_weights since)")
         if self.prefix_cache_version not in (None, self.weights_version):
             raise RuntimeError("generate() on a prefix cache computed with older weights")
+        adapter = self._adapter(lora_request)
         prompts = [prompts] if isinstance(prompts, dict) else list(prompts)
         params = (sampling_params if isinstance(sampling_params, list)
                   else [sampling_params or SamplingParams()] * len(prompts))
@@ -261,26 +415,30 @@ class FakeLLM:
             if len(ids) > max_len:
                 raise ValueError(f"The decoder prompt (length {len(ids)}) is longer than the "
                                  f"maximum model length of {max_len}.")
-            comps = [self._complete(ids, sp, k, max_len) for k in range(sp.n)]
+            comps = [self._complete(ids, sp, k, max_len, adapter) for k in range(sp.n)]
             outputs.append(RequestOutput(str(rid), None, list(ids), None, comps[::-1]))
         if self.kwargs.get("enable_prefix_caching"):
             self.prefix_cache_version = self.weights_version
         self.events.append("generate")
         self.generate_calls.append({"prompts": [p["prompt_token_ids"] for p in prompts],
-                                    "params": params, "use_tqdm": use_tqdm, "outputs": outputs})
+                                    "params": params, "use_tqdm": use_tqdm, "outputs": outputs,
+                                    "lora_request": lora_request,
+                                    "adapter": adapter["hash"] if adapter else None})
         return outputs
 
-    def _stream(self, ids, seed) -> list[int]:
+    def _stream(self, ids, seed, adapter=None) -> list[int]:
         if self.script is not None:
             return self.tokenizer.encode(self.script(ids))
-        rng = random.Random(f"{self.model.fingerprint()}|{','.join(map(str, ids))}|{seed}")
+        lora = adapter["hash"] if adapter else "base"
+        rng = random.Random(f"{self.model.fingerprint()}|{lora}|{','.join(map(str, ids))}|{seed}")
         return [ord(rng.choice(LETTERS)) for _ in range(rng.randint(1, 24))]
 
-    def _complete(self, ids, sp: SamplingParams, index: int, max_len: int) -> CompletionOutput:
+    def _complete(self, ids, sp: SamplingParams, index: int, max_len: int,
+                  adapter=None) -> CompletionOutput:
         seed = sp.seed + index if sp.seed is not None else self._unseeded.getrandbits(31)
         room = min(sp.max_tokens or max_len, max_len - len(ids))
         out, text, finish, stop_reason = [], "", "stop", None
-        for tok in self._stream(ids, seed):
+        for tok in self._stream(ids, seed, adapter):
             if len(out) >= room:
                 finish = "length"
                 break
@@ -297,12 +455,27 @@ class FakeLLM:
                                 finish, stop_reason)
 
 
-def make_fake_vllm(version: str = "0.18.0") -> types.ModuleType:
+def fake_vllm_modules(version: str = "0.18.0") -> dict[str, types.ModuleType]:
+    """``vllm`` and the submodules the engine imports, by their ``sys.modules`` names."""
     mod = types.ModuleType("vllm")
     mod.__version__ = version
     mod.LLM = FakeLLM
     mod.SamplingParams = SamplingParams
-    return mod
+    mod.lora = types.ModuleType("vllm.lora")
+    mod.lora.request = types.ModuleType("vllm.lora.request")
+    mod.lora.request.LoRARequest = LoRARequest
+    return {"vllm": mod, "vllm.lora": mod.lora, "vllm.lora.request": mod.lora.request}
+
+
+def make_fake_vllm(version: str = "0.18.0") -> types.ModuleType:
+    return fake_vllm_modules(version)["vllm"]
+
+
+def install_fake_vllm(version: str = "0.18.0") -> types.ModuleType:
+    """Put the fake in ``sys.modules`` for good (a spawned rank); returns ``vllm``."""
+    modules = fake_vllm_modules(version)
+    sys.modules.update(modules)
+    return modules["vllm"]
 
 
 # ============================================================================================
@@ -314,8 +487,10 @@ PAD = 5
 
 @pytest.fixture
 def fake_vllm(monkeypatch):
-    mod = make_fake_vllm()
-    monkeypatch.setitem(sys.modules, "vllm", mod)
+    modules = fake_vllm_modules()
+    for name, module in modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    mod = modules["vllm"]
     # setenv first so that the engine's os.environ.setdefault is undone after the test
     monkeypatch.setenv(MP_ENV, "unset-me")
     monkeypatch.delenv(MP_ENV)
@@ -334,7 +509,8 @@ def fake_sync(monkeypatch):
     """Replace ``weight_sync.sync_weights`` (the engine calls it through its module)."""
     calls = []
 
-    def sync_weights(model_chunks, model_cfg, load, *, bucket_bytes):
+    def sync_weights(model_chunks, model_cfg, load, *, bucket_bytes, adapters="auto"):
+        assert adapters == "auto"  # an engine without LoRA exports as the converter does
         pairs = [(n, t) for chunk in model_chunks for n, t in chunk.items()]
         buckets = [pairs[:1], pairs[1:]]
         for bucket in buckets:
@@ -747,7 +923,7 @@ def _megatron_engine_worker(hf: str, tp: int, pp: int, ep: int = 1) -> dict:
     ``ep`` > 1, each rank holding ``4 / ep``), the real sync_weights."""
     import torch.distributed as dist
 
-    sys.modules["vllm"] = make_fake_vllm()
+    install_fake_vllm()
     from vllm_engine_workers import TINY
 
     from emapg_megatron.checkpoint.weights import export_hf_weights
@@ -829,7 +1005,7 @@ def _episodes_worker(hf: str, vllm_tp: int = 1) -> dict:
     engine rank 0's histories."""
     import torch.distributed as dist
 
-    sys.modules["vllm"] = make_fake_vllm()
+    install_fake_vllm()
     from vllm_engine_workers import TINY
 
     from emapg_megatron.models.config import ModelConfig

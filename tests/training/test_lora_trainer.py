@@ -391,8 +391,8 @@ def _dry_run(*extra):
     (["--transformer-impl", "transformer_engine"],
      "--lora-rank 8 needs Megatron's local linears (Transformer Engine's take no adapter yet): use "
      "--transformer-impl local or auto"),
-    (["--rollout-engine", "vllm"], "--lora-rank 8 does not support --rollout-engine vllm yet (the weight "
-                                   "sync has no adapter mapping): use the built-in sampler"),
+    (["--rollout-engine", "vllm", "--lora-rank", "513"],
+     "--lora-rank 513 is above vLLM's largest max_lora_rank (512): use the built-in sampler or a lower rank"),
     (["--num-experts", "4", "--moe-router-topk", "2"],
      "--lora-rank 8 does not support mixture-of-experts models yet: this one has 4 experts per layer"),
     (["--lora-target-modules", "q_proj"],

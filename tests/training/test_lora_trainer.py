@@ -240,6 +240,22 @@ def test_a_lora_checkpoint_reshards_to_one_rank(saved, resumed_at_one_rank):
         assert one["metrics"][0][k] == pytest.approx(before[0]["metrics"][0][k], rel=1e-4, abs=1e-7), k
 
 
+def test_a_pp2_lora_checkpoint_reshards_to_one_rank(hf_models, tmp_path):
+    """PP = 2 (Qwen3, qk-layernorm): the adapters-only checkpoint of step 2 resumed at one rank
+    holds both stages' adapters under their global names, bit for bit, and step 3 gives the
+    uninterrupted PP = 2 run's metrics."""
+    ckpt, flags = str(tmp_path / "save"), argv(hf_models["qwen3-tied-qknorm"])
+    before = run_distributed(lora_save_and_continue, 2, pp=2, args=([*flags, "--pipeline-model-parallel-size", "2"],
+                                                                    ckpt, 2, 3), timeout=300)
+    (one,) = run_distributed(lora_resume, 1, args=(flags, ckpt, 3), timeout=300)
+    stages = {k.split("|")[0]: v for b in before for k, v in b["saved"].items() if ".lora." in k}
+    resumed = {k.split("|")[0]: v for k, v in one["resumed"].items() if ".lora." in k}
+    assert stages and stages.keys() == resumed.keys()
+    assert all(torch.equal(stages[k], resumed[k]) for k in stages)
+    for k in COMPARED:  # every stage logs the step's metrics
+        assert one["metrics"][0][k] == pytest.approx(before[0]["metrics"][0][k], rel=1e-4, abs=1e-7), k
+
+
 def test_a_lora_checkpoint_resumes_only_with_lora(hf_models, saved):
     ckpt, _ = saved
     full = [*BASE, "--load-hf", hf_models["qwen2-tied-gqa-bias"], "--global-batch-size", "16"]

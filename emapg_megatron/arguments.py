@@ -337,9 +337,6 @@ def validate_architecture(cfg: RunConfig, model_cfg: ModelConfig) -> None:
                          ("--sequence-packing", cfg.step.sequence_packing)):
             _check(not on, f"--moe-routing-replay {cfg.moe.routing_replay} does not support {flag} yet "
                            "(the recorded routes are laid out per padded sequence, on every stage)")
-    if cfg.moe.routing_replay == "r3":
-        _check(cfg.sampler.engine != "vllm", "--moe-routing-replay r3 replays the routes the built-in "
-                                             "sampler records; --rollout-engine vllm returns none yet: use r2")
     if ep > 1:  # the expert group's ranks must run the same forwards (rollout/expert_group.py)
         for flag, on in (("--partial-rollouts", cfg.partial_rollouts.enabled),
                          ("--sequence-packing", cfg.step.sequence_packing)):

@@ -470,7 +470,8 @@ def _te_cudnn_version() -> int | None:
 
 
 def build_rollout_engine(cfg: RunConfig, chunks, model_cfg: ModelConfig, tokenizer, route_dtype=None):
-    """vLLM, or the built-in sampler (recording a MoE policy's routes in ``route_dtype``)."""
+    """vLLM or the built-in sampler, either returning a MoE policy's routes in ``route_dtype``
+    (R3; None: no routes)."""
     pad_id = getattr(tokenizer, "pad_token_id", None) or 0
     parallel, step = cfg.parallel, cfg.step
     if cfg.sampler.engine == "vllm":
@@ -479,7 +480,8 @@ def build_rollout_engine(cfg: RunConfig, chunks, model_cfg: ModelConfig, tokeniz
         return vllm_engine.VLLMEngine(cfg.vllm_engine_config(), model_cfg, seq_length=step.seq_length,
                                       pad_id=pad_id, model_chunks=chunks,
                                       trainer_tp=parallel.tensor_model_parallel_size,
-                                      pipeline_parallel=parallel.pipeline_model_parallel_size)
+                                      pipeline_parallel=parallel.pipeline_model_parallel_size,
+                                      route_dtype=route_dtype)
     sampler = MegatronSampler(chunks, cfg.sampler.resolved(cfg.partial_rollouts.enabled),
                               vocab_size=model_cfg.vocab_size, eos_id=getattr(tokenizer, "eos_token_id", None),
                               pad_id=pad_id, seq_length=step.seq_length, micro_batch_size=step.micro_batch_size,

@@ -4,10 +4,11 @@ vLLM needs CUDA, so CPU machines cannot run the engine; this reads vLLM's *sourc
 package, or an unpacked wheel) with ``ast`` and checks every name the engine relies on: the
 ``LLM`` keyword arguments (as ``EngineArgs`` fields, LoRA's included), the ``SamplingParams``
 fields, the ``LLM`` methods and their parameters, the worker's ``get_model``, the models'
-``load_weights``, the ``CompletionOutput`` fields, LoRA's ``LoRARequest`` fields and
+``load_weights``, the ``CompletionOutput`` fields (``routed_experts`` for a MoE policy's routes,
+R3), LoRA's ``LoRARequest`` fields and
 ``LLMEngine.remove_lora``, and the option values (``external_launcher``,
 ``processed_logprobs``). The keyword arguments are taken from the engine's own code
-(:meth:`VLLMConfig.llm_kwargs_for` with a LoRA rank, :func:`sampling_kwargs`), so the check
+(:meth:`VLLMConfig.llm_kwargs_for` with a LoRA rank and routes returned, :func:`sampling_kwargs`), so the check
 follows the engine.
 
     python tools/check_vllm_api.py                      # the installed vLLM (the Docker build runs this)
@@ -47,8 +48,9 @@ def requirements() -> list[Requirement]:
     from emapg_megatron.rollout.config import VLLMConfig
     from emapg_megatron.rollout.vllm_engine import sampling_kwargs
 
-    # with a LoRA rank: every keyword the engine may pass (enable_lora, max_lora_rank, max_loras too)
-    llm_kwargs = sorted(VLLMConfig(hf_dir="-", lora=LoRAConfig(rank=8)).llm_kwargs_for(1))
+    # with a LoRA rank and a MoE policy's routes: every keyword the engine may pass (enable_lora,
+    # max_lora_rank, max_loras, enable_return_routed_experts too)
+    llm_kwargs = sorted(VLLMConfig(hf_dir="-", lora=LoRAConfig(rank=8), return_routes=True).llm_kwargs_for(1))
     sp_kwargs = sorted(sampling_kwargs(n=1, temperature=1.0, top_p=1.0, max_tokens=1, stop=None,
                                        seed=None))
     llm, worker = "vllm/entrypoints/llm.py", "vllm/v1/worker/gpu_model_runner.py"
@@ -78,6 +80,8 @@ def requirements() -> list[Requirement]:
         Requirement("vllm/outputs.py", "CompletionOutput", "fields",
                     ("index", "text", "token_ids", "logprobs", "finish_reason"),
                     "reading samples"),
+        Requirement("vllm/outputs.py", "CompletionOutput", "fields", ("routed_experts",),
+                    "a MoE policy's routes (R3, moe_route_agreement): LLM(enable_return_routed_experts=True)"),
         Requirement("vllm/config", "", "literals", ("processed_logprobs",),
                     "log pi_sampling after temperature / top-p"),
         Requirement("vllm/config", "", "literals", ("external_launcher",),

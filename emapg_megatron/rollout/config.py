@@ -151,6 +151,9 @@ class VLLMConfig:
     lora: LoRAConfig | None = None
     """The run's LoRA (--lora-rank > 0): vLLM serves the adapters through its LoRA requests on
     the frozen base (docs/lora.md, "Rollouts through vLLM")."""
+    return_routes: bool = False
+    """Ask vLLM for the experts it routed every token to (``enable_return_routed_experts``): set
+    by the engine when it records a MoE policy's routes (R3; docs/moe.md, "Routing replay")."""
 
     @property
     def bucket_bytes(self) -> int:
@@ -199,6 +202,7 @@ class VLLMConfig:
             "enable_prefix_caching": self.enable_prefix_caching,
             "load_format": "dummy",
             "logprobs_mode": "processed_logprobs",
+            **({"enable_return_routed_experts": True} if self.return_routes else {}),
             **self.lora_kwargs(),
             **self.llm_kwargs,
         }

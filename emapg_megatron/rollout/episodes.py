@@ -30,6 +30,8 @@ class Turn:
     logprobs: list[float]
     text: str
     finish_reason: str | None = None
+    routes: Any = None
+    """The experts the engine routed the request's tokens to, when it returns them (vLLM, R3)."""
 
 
 class Episode:

@@ -36,6 +36,14 @@ pipeline stage's) as a peft folder in this rank's private temporary directory an
 passes; the previous adapter is removed from vLLM and its folder deleted, so one folder exists
 at a time. :meth:`VLLMEngine.close` (or garbage collection) deletes the directory.
 
+Routes (R3; docs/moe.md, "Routing replay"). Given a ``route_dtype`` (a MoE policy whose routes
+the trainer replays), vLLM is built with ``enable_return_routed_experts`` and each
+``CompletionOutput.routed_experts`` (``[prompt + completion - 1, all layers, k]`` int32: the
+routes of every token vLLM fed, from position 0; the last sampled token is never fed) becomes the
+sequence's ``[positions, MoE layers, k]`` routes (:func:`vllm_routes`), laid into the batch as the
+built-in sampler lays its own. A multi-turn episode's routes are those of its last request, whose
+prompt was the whole history.
+
 Importing this module never imports vLLM; constructing an engine without vLLM raises a
 one-line :class:`~emapg_megatron.errors.ConfigError`.
 """
@@ -52,15 +60,17 @@ import shutil
 import tempfile
 import weakref
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from packaging.version import Version
 
 from emapg_megatron import runtime
-from emapg_megatron.errors import ConfigError
+from emapg_megatron.errors import ConfigError, RunError
 from emapg_megatron.rollout import weight_sync
 from emapg_megatron.rollout.config import VLLMConfig
 from emapg_megatron.rollout.engine import (
@@ -68,6 +78,7 @@ from emapg_megatron.rollout.engine import (
     build_rollout_batch,
 )
 from emapg_megatron.rollout.episodes import Episode, Turn, run_episodes
+from emapg_megatron.rollout.route_recording import lay_routes
 from emapg_megatron.tasks.base import encode_text
 
 logger = logging.getLogger(__name__)
@@ -119,18 +130,66 @@ def sampling_kwargs(*, n: int, temperature: float, top_p: float, max_tokens: int
                 logprobs=logprobs, seed=seed)
 
 
+# --- routes (R3) ------------------------------------------------------------------------
+def vllm_routes(routed, *, fed: int, model_cfg, dtype: torch.dtype) -> torch.Tensor:
+    """One completion's ``CompletionOutput.routed_experts`` as ``[positions, MoE layers, k]``
+    routes in ``dtype``, position 0 first.
+
+    vLLM's convention: ``[fed - 1, num_hidden_layers, num_experts_per_tok]`` int32 for a sequence
+    of ``fed`` tokens (prompt + completion; the last sampled token is never fed), every layer of
+    the model (a dense layer's rows are never written: zeros), logical (global) expert ids. A
+    length of ``fed`` is accepted too; a layer count of the MoE layers alone too. Anything else is
+    a one-line :class:`RunError`."""
+    if routed is None:
+        raise RunError("vLLM returned no routed experts (CompletionOutput.routed_experts is None): "
+                       "--moe-routing-replay r3 with --rollout-engine vllm needs a vLLM whose "
+                       "LLM(enable_return_routed_experts=True) returns them "
+                       "(tools/check_vllm_api.py); use r2")
+    routes = np.asarray(routed)
+    if routes.ndim != 3 or not np.issubdtype(routes.dtype, np.integer):
+        raise RunError(f"vLLM's routed experts are {routes.dtype} of shape {list(routes.shape)}, "
+                       "not integer expert ids shaped [positions, layers, top-k]")
+    positions, layers, k = routes.shape
+    if positions not in (fed - 1, fed):
+        raise RunError(f"vLLM returned routes for {positions} positions of a {fed}-token sequence "
+                       f"(prompt + completion): neither {fed - 1} (vLLM's convention: the last "
+                       f"sampled token is never fed) nor {fed}")
+    moe = model_cfg.moe_layers
+    if layers == model_cfg.num_layers and layers != len(moe):
+        routes = routes[:, moe]  # vLLM covers every layer; a dense layer's rows hold nothing
+    elif layers != len(moe):
+        raise RunError(f"vLLM returned routes for {layers} layers; the policy has "
+                       f"{model_cfg.num_layers} layers, {len(moe)} of them MoE layers")
+    if k != model_cfg.moe_router_topk:
+        raise RunError(f"vLLM returned {k} experts per token; the policy routes each token to "
+                       f"{model_cfg.moe_router_topk} (--moe-router-topk)")
+    experts = model_cfg.num_experts
+    if routes.size and (routes.min() < 0 or routes.max() >= experts):
+        bad = int(routes.min()) if routes.min() < 0 else int(routes.max())
+        raise RunError(f"vLLM routed a token to expert {bad}, outside the policy's {experts} "
+                       f"experts 0..{experts - 1} (physical ids of an expert-load balancer?)")
+    ordered = np.sort(routes, axis=-1)
+    if k > 1 and routes.size and (ordered[..., 1:] == ordered[..., :-1]).any():
+        raise RunError("vLLM routed a token to the same expert twice in one layer: not a top-k")
+    return torch.from_numpy(np.ascontiguousarray(routes).astype(np.int64)).to(dtype)
+
+
 # --- keeping a model-parallel group on one batch ----------------------------------------
 def broadcast_rollout_batch(batch: RolloutBatch, *, src: int, group) -> RolloutBatch:
-    """Every rank of ``group`` gets rank ``src``'s batch (all ranks pass same-shaped batches)."""
+    """Every rank of ``group`` gets rank ``src``'s batch (all ranks pass same-shaped batches, with
+    routes on every rank or on none)."""
     device = runtime.device()
     lengths = torch.tensor([len(r) for r in batch.responses], dtype=torch.long)
     parts = [t.to(device, copy=True) for t in (batch.tokens, batch.loss_mask,
                                                batch.sampling_logprobs, batch.prompt_lengths, lengths)]
+    if batch.routes is not None:  # as int32: NCCL has no int16 (routes of > 256 experts)
+        parts.append(batch.routes.to(device=device, dtype=torch.int32, copy=True))
     for t in parts:
         dist.broadcast(t, src=src, group=group)
-    tokens, mask, lps, plens, lengths = (t.cpu() for t in parts)
+    tokens, mask, lps, plens, lengths = (t.cpu() for t in parts[:5])
     responses = [tokens[s, plens[s]:plens[s] + lengths[s]].tolist() for s in range(tokens.shape[0])]
-    return RolloutBatch(tokens, mask, lps, plens, responses)
+    routes = None if batch.routes is None else parts[5].cpu().to(batch.routes.dtype)
+    return RolloutBatch(tokens, mask, lps, plens, responses, routes=routes)
 
 
 VLLM_LORA_WRAPPED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -171,10 +230,12 @@ class VLLMEngine:
     """
 
     def __init__(self, cfg: VLLMConfig, model_cfg, *, seq_length: int, pad_id: int,
-                 model_chunks=None, trainer_tp: int | None = None, pipeline_parallel: int = 1):
+                 model_chunks=None, trainer_tp: int | None = None, pipeline_parallel: int = 1,
+                 route_dtype: torch.dtype | None = None):
+        """``route_dtype``: return a MoE policy's routes in that dtype (R3; None: none)."""
         vllm = import_vllm()
         cfg.validate(trainer_tp)
-        cfg = cfg.for_trainer(trainer_tp)
+        cfg = replace(cfg.for_trainer(trainer_tp), return_routes=route_dtype is not None)
         # The worker (and its model) must live in this process for load_weights.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if dist.is_initialized():  # external_launcher reads these; torchrun sets them, python does not
@@ -186,6 +247,7 @@ class VLLMEngine:
         self.seq_length = seq_length
         self.pad_id = pad_id
         self.model_chunks = model_chunks
+        self.route_dtype = route_dtype
         self._sampling_params_cls = vllm.SamplingParams
         self.lora = cfg.lora if cfg.lora is not None and cfg.lora.enabled else None
         if self.lora is not None:
@@ -361,14 +423,21 @@ class VLLMEngine:
         params = [self._params(n=n, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens,
                                stop=stop, seed=request_seed(self.cfg.seed, rng_step, p))
                   for p in prompt_index]
-        responses, logprobs = [], []
-        for out in self._run(prompts, params):
+        responses, logprobs, routes = [], [], []
+        for prompt, out in zip(prompts, self._run(prompts, params)):
             for comp in sorted(out.outputs, key=lambda c: c.index):
                 ids = [int(t) for t in comp.token_ids]
                 responses.append(ids)
                 logprobs.append(sampled_logprobs(ids, comp.logprobs))
-        return self._agree(build_rollout_batch(prompts, responses, logprobs, self.seq_length,
-                                               self.pad_id, n))
+                if self.route_dtype is not None:
+                    routes.append(self._routes(comp, len(prompt) + len(ids)))
+        batch = build_rollout_batch(prompts, responses, logprobs, self.seq_length, self.pad_id, n)
+        if self.route_dtype is not None:  # prompt first, from position 0, as the built-in sampler's
+            batch.routes = lay_routes(routes, batch.tokens.shape[1])
+        return self._agree(batch)
+
+    def _routes(self, comp, fed: int) -> torch.Tensor:
+        return vllm_routes(comp.routed_experts, fed=fed, model_cfg=self.model_cfg, dtype=self.route_dtype)
 
     def continue_histories(self, histories: Sequence[Sequence[int]], *, temperature: float,
                            top_p: float, max_new_tokens: int | Sequence[int],
@@ -381,11 +450,12 @@ class VLLMEngine:
         params = [self._params(n=1, temperature=temperature, top_p=top_p, max_tokens=m, stop=stop,
                                seed=s) for m, s in zip(budgets, seeds)]
         turns = []
-        for out in self._run(histories, params):
+        for history, out in zip(histories, self._run(histories, params)):
             comp = out.outputs[0]
             ids = [int(t) for t in comp.token_ids]
+            routes = self._routes(comp, len(history) + len(ids)) if self.route_dtype is not None else None
             turns.append(Turn(ids, sampled_logprobs(ids, comp.logprobs), comp.text,
-                              comp.finish_reason))
+                              comp.finish_reason, routes))
         return turns
 
     def generate_episodes(self, prompts: Sequence[Sequence[int]], n: int, envs: Sequence[Any], *,
@@ -394,11 +464,16 @@ class VLLMEngine:
                           seq_index: Sequence[int] | None = None) -> tuple[RolloutBatch, list[Episode]]:
         """Multi-turn rollouts (see :func:`emapg_megatron.rollout.episodes.run_episodes`)."""
 
+        last = {}  # R3: each episode's last request (its tokens fed and their routes)
+
         def continue_fn(histories, budgets, active, turn):
             index = seq_index if seq_index is not None else range(len(envs))
             seeds = [request_seed(self.cfg.seed, rng_step, index[s], turn) for s in active]
-            return self.continue_histories(histories, temperature=temperature, top_p=top_p,
-                                           max_new_tokens=budgets, stop=stop, seeds=seeds)
+            turns = self.continue_histories(histories, temperature=temperature, top_p=top_p,
+                                            max_new_tokens=budgets, stop=stop, seeds=seeds)
+            for s, history, t in zip(active, histories, turns):
+                last[s] = (list(history) + t.token_ids, t.routes)
+            return turns
 
         # One vLLM engine spans the model-parallel group: its ranks must feed it the same
         # histories, so they agree on every environment answer (a broadcast batch is agreed later).
@@ -408,7 +483,22 @@ class VLLMEngine:
                                            top_p=top_p, max_new_tokens=max_new_tokens,
                                            seq_length=self.seq_length, pad_id=self.pad_id,
                                            group=ps.get_model_parallel_group() if shared else None)
+        if self.route_dtype is not None:
+            batch.routes = lay_routes([episode_routes(ep, *last.get(s, ((), None)))
+                                       for s, ep in enumerate(episodes)], batch.tokens.shape[1])
         return self._agree(batch, episodes), episodes
+
+
+def episode_routes(episode: Episode, fed: Sequence[int], routes: torch.Tensor | None):
+    """An episode's routes from its last request (``fed``: that request's prompt, the whole
+    history, and its completion; ``routes``: what vLLM routed them with): the positions where the
+    episode's tokens are the ones fed (the environment may cut or rewrite that last turn, or
+    append an observation after it); None without a request."""
+    if routes is None:
+        return None
+    kept = episode.history()
+    same = next((i for i, (a, b) in enumerate(zip(kept, fed)) if a != b), min(len(kept), len(fed)))
+    return routes[:same]
 
 
 # --- evaluation backend (python -m emapg_megatron.evaluate --load HF_DIR) ---------------------

@@ -55,9 +55,9 @@ class MoERouting:
         if self.replay != "r3":
             return batch
         if ROLLOUT_ROUTES not in batch:
-            raise ConfigError("--moe-routing-replay r3: this step's rollout carries no routes (only the "
-                              "built-in sampler records them, at PP = 1 without packing or sequence "
-                              "parallelism): use r2")
+            raise ConfigError("--moe-routing-replay r3: this step's rollout carries no routes (the "
+                              "built-in sampler and vLLM return them only at PP = 1 without packing or "
+                              "sequence parallelism): use r2")
         return {**batch, ROUTES: batch[ROLLOUT_ROUTES]}
 
     def old_pass(self) -> dict:

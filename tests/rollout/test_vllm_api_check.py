@@ -51,11 +51,13 @@ def test_requirements_follow_the_engine_code():
     from emapg_megatron.lora.config import LoRAConfig
     from emapg_megatron.rollout.config import VLLMConfig
 
-    by_cls = {r.cls: r for r in api.requirements() if r.kind == "fields"}
-    with_lora = VLLMConfig(hf_dir="-", lora=LoRAConfig(rank=16)).llm_kwargs_for(8)
-    assert set(by_cls["EngineArgs"].names) == set(with_lora)
-    assert set(with_lora) - set(VLLMConfig(hf_dir="-").llm_kwargs_for(8)) == {
-        "enable_lora", "max_lora_rank", "max_loras"}
+    by_cls = {r.cls: r for r in api.requirements() if r.kind == "fields" and r.cls != "CompletionOutput"}
+    every = VLLMConfig(hf_dir="-", lora=LoRAConfig(rank=16), return_routes=True).llm_kwargs_for(8)
+    assert set(by_cls["EngineArgs"].names) == set(every)
+    assert set(every) - set(VLLMConfig(hf_dir="-").llm_kwargs_for(8)) == {
+        "enable_lora", "max_lora_rank", "max_loras", "enable_return_routed_experts"}
+    outputs = {n for r in api.requirements() if r.cls == "CompletionOutput" for n in r.names}
+    assert {"token_ids", "logprobs", "routed_experts"} <= outputs
     assert {"logprobs", "seed", "include_stop_str_in_output"} <= set(by_cls["SamplingParams"].names)
     assert set(by_cls["LoRARequest"].names) == {"lora_name", "lora_int_id", "lora_path"}
 
@@ -78,6 +80,8 @@ def test_complete_tree_passes(tmp_path):
     ("LLM", "lora_request", "LLM.generate(lora_request=)"),
     ("LoRARequest", "lora_int_id", "LoRARequest.lora_int_id"),
     ("LLMEngine", "remove_lora", "LLMEngine.remove_lora()"),
+    ("EngineArgs", "enable_return_routed_experts", "EngineArgs.enable_return_routed_experts"),
+    ("CompletionOutput", "routed_experts", "CompletionOutput.routed_experts"),
 ])
 def test_each_missing_name_is_reported(tmp_path, cls, name, expected):
     report = api.check(write_tree(tmp_path, drop=lambda r, n: r.cls == cls and n == name))

@@ -33,6 +33,14 @@ vLLM 0.18 and 0.33 sources):
   drops an adapter (refused while the weights sleep: vLLM zeroes its slot). Stricter than vLLM:
   a removed id used again fails (vLLM would reload its folder), and so does an adapter whose slot a
   level-2 sleep discarded (vLLM would sample with garbage).
+* Routes (R3): ``LLM(enable_return_routed_experts=True)`` reads the model directory's
+  ``config.json`` as vLLM does (``num_hidden_layers``, ``num_experts_per_tok``, ``num_experts`` /
+  ``num_local_experts``, Qwen3-MoE's ``mlp_only_layers`` / ``decoder_sparse_step``; a config
+  without them fails) and every ``CompletionOutput.routed_experts`` is then vLLM's array: int32
+  ``[prompt + completion - 1, num_hidden_layers, top-k]`` (the last sampled token is never fed),
+  zeros on a dense layer's rows, on a MoE layer ``k`` distinct expert ids that are a deterministic
+  function of the token's prefix and the layer (:func:`fake_routes`). Off, it is None.
+  ``llm.mangle_routes`` (a callable on each array) lets a test break them.
 
 The engine's weight export (``weight_sync.sync_weights``) is stubbed by the ``fake_sync`` fixture,
 except in the last test: a real tiny Megatron model at TP=2 or PP=2 (two spawned ranks) streams
@@ -129,8 +137,33 @@ class CompletionOutput:
     token_ids: list
     cumulative_logprob: float | None
     logprobs: list | None
+    routed_experts: object = None  # np.ndarray [seq_len, layer_num, topk] (vLLM's field order)
     finish_reason: str | None = None
     stop_reason: str | None = None
+
+
+def moe_layers_of(hf: dict) -> list[int]:
+    """The layers vLLM builds with a routed MoE block (Qwen3-MoE's rule; every layer otherwise)."""
+    step, only = hf.get("decoder_sparse_step") or 1, set(hf.get("mlp_only_layers") or [])
+    return [i for i in range(hf["num_hidden_layers"]) if i not in only and (i + 1) % step == 0]
+
+
+def fake_routes(tokens: list[int], hf: dict):
+    """What vLLM returns as ``routed_experts`` for a request that fed ``tokens`` (prompt +
+    completion less its last token): int32 ``[len(tokens), num_hidden_layers, top-k]``; a MoE
+    layer's ``k`` distinct experts at position p depend on ``tokens[:p + 1]`` and the layer only,
+    a dense layer's rows stay 0 (vLLM never writes them)."""
+    import numpy as np
+
+    layers, k = hf["num_hidden_layers"], hf["num_experts_per_tok"]
+    experts = hf.get("num_experts") or hf["num_local_experts"]
+    out = np.zeros((len(tokens), layers, k), dtype=np.int32)
+    moe, prefix = moe_layers_of(hf), 0
+    for p, tok in enumerate(tokens):
+        prefix = (prefix * 1_000_003 + int(tok) + 1) % (1 << 61)
+        for layer in moe:
+            out[p, layer] = random.Random(f"{prefix}|{layer}").sample(range(experts), k)
+    return out
 
 
 @dataclass
@@ -280,7 +313,8 @@ class FakeLLM:
     ENGINE_ARGS = {"tokenizer", "dtype", "seed", "tensor_parallel_size",
                    "distributed_executor_backend", "gpu_memory_utilization", "max_model_len",
                    "enable_sleep_mode", "enforce_eager", "enable_prefix_caching", "load_format",
-                   "logprobs_mode", "enable_lora", "max_lora_rank", "max_loras"}
+                   "logprobs_mode", "enable_lora", "max_lora_rank", "max_loras",
+                   "enable_return_routed_experts"}
 
     def __init__(self, model, **kwargs):
         unknown = set(kwargs) - self.ENGINE_ARGS
@@ -295,6 +329,17 @@ class FakeLLM:
                                  f"{MAX_LORA_RANKS}.")
             if self.max_loras < 1:
                 raise ValueError(f"max_loras ({self.max_loras}) must be >= 1")
+        self.hf_moe = None  # with enable_return_routed_experts: the MoE entries of config.json
+        if kwargs.get("enable_return_routed_experts"):
+            with open(os.path.join(model, "config.json")) as f:
+                hf = json.load(f)
+            need = ("num_hidden_layers", "num_experts_per_tok")
+            if any(hf.get(key) is None for key in need) or not (hf.get("num_experts")
+                                                                or hf.get("num_local_experts")):
+                raise AttributeError(f"fake vLLM: routed experts need a MoE config.json ({need}, "
+                                     "num_experts / num_local_experts)")
+            self.hf_moe = hf
+        self.mangle_routes = None  # optional: routed_experts array -> what the output carries
         self.loras: dict[int, dict] = {}  # registered adapters by id, least recently used first
         self.removed: list[int] = []  # ids removed through llm_engine.remove_lora
         self.evicted: list[int] = []  # ids vLLM's LRU cache dropped to make room
@@ -450,9 +495,14 @@ class FakeLLM:
                 text = text[:at + len(stop_reason)] if sp.include_stop_str_in_output else text[:at]
                 break
         lps = [{t: Logprob(fake_logprob(p, t), 1, chr(t))} for p, t in enumerate(out)]
+        routes = None
+        if self.hf_moe is not None:  # every fed token: the prompt and the completion but its last
+            routes = fake_routes((list(ids) + out)[:-1], self.hf_moe)
+            if self.mangle_routes is not None:
+                routes = self.mangle_routes(routes)
         return CompletionOutput(index, text, out, sum(fake_logprob(p, t) for p, t in enumerate(out)),
                                 None if (sp.logprobs is None or self.drop_logprobs) else lps,
-                                finish, stop_reason)
+                                routed_experts=routes, finish_reason=finish, stop_reason=stop_reason)
 
 
 def fake_vllm_modules(version: str = "0.18.0") -> dict[str, types.ModuleType]:

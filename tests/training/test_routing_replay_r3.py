@@ -101,7 +101,10 @@ def test_route_agreement_ignores_the_order_of_a_tokens_experts():
 
 
 # --- the refusals -------------------------------------------------------------------------------
-def test_r3_refuses_vllm_and_dense_models_in_one_line():
+def test_r3_accepts_vllm_and_refuses_dense_models_in_one_line():
+    """vLLM returns its routes (tests/rollout/test_vllm_routes.py): r3 with --rollout-engine vllm
+    passes the architecture checks; a dense model and the layouts without per-sequence routes
+    are still refused."""
     from emapg_megatron.arguments import parse_args, validate_architecture
     from emapg_megatron.errors import ConfigError
     from emapg_megatron.models.config import ModelConfig
@@ -110,10 +113,11 @@ def test_r3_refuses_vllm_and_dense_models_in_one_line():
     base = ["--preset", "tiny-cpu", "--tensor-model-parallel-size", "1", "--moe-routing-replay", "r3"]
     validate_architecture(parse_args(base), moe)
     validate_architecture(parse_args([*base, "--partial-rollouts"]), moe)
-    with pytest.raises(ConfigError, match=r"^--moe-routing-replay r3 replays the routes the built-in sampler"):
-        validate_architecture(parse_args([*base, "--rollout-engine", "vllm"]), moe)
+    validate_architecture(parse_args([*base, "--rollout-engine", "vllm"]), moe)
     with pytest.raises(ConfigError, match="--moe-routing-replay r3 needs a mixture-of-experts model"):
-        validate_architecture(parse_args(base), ModelConfig(vocab_size=13))
+        validate_architecture(parse_args([*base, "--rollout-engine", "vllm"]), ModelConfig(vocab_size=13))
+    with pytest.raises(ConfigError, match="r3 does not support --sequence-packing"):
+        validate_architecture(parse_args([*base, "--rollout-engine", "vllm", "--sequence-packing"]), moe)
 
 
 # --- the trainer --------------------------------------------------------------------------------

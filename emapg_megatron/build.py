@@ -227,9 +227,8 @@ def build_trainer(inputs: RunInputs) -> Trainer:
     routing = MoERouting.for_policy(model_cfg, cfg.moe, pipeline=cfg.parallel.pipeline_model_parallel_size,
                                     sequence_parallel=cfg.parallel.sequence_parallel,
                                     packing=cfg.step.sequence_packing)
-    # the sampler records its routes where the trainer can lay them per sequence
-    sampler_routes = routing.record_dtype if routing else None
-    engine = build_rollout_engine(cfg, chunks, model_cfg, inputs.tokenizer, route_dtype=sampler_routes)
+    engine = build_rollout_engine(cfg, chunks, model_cfg, inputs.tokenizer,
+                                  route_dtype=rollout_route_dtype(cfg, routing))
     collector = build_collector(inputs, engine)
     state = TrainState(chunks, optimizer, scheduler, build_anchor(inputs, chunks, optimizer), collector,
                        lora_base=base)
@@ -467,6 +466,16 @@ def _te_cudnn_version() -> int | None:
         return major * 10000 + minor * 100 + patch
     except Exception:  # an older TE without the query, or no TE: PyTorch's cuDNN
         return torch.backends.cudnn.version()
+
+
+def rollout_route_dtype(cfg: RunConfig, routing: MoERouting | None):
+    """The dtype the rollout engine returns a MoE policy's routes in, or None. The built-in
+    sampler records them wherever the trainer can lay them per sequence (R3, and the agreement
+    metric under none and r2); vLLM only under R3: elsewhere its route buffer and an option a vLLM
+    build may lack would buy a metric alone."""
+    if routing is None or (cfg.sampler.engine == "vllm" and cfg.moe.routing_replay != "r3"):
+        return None
+    return routing.record_dtype
 
 
 def build_rollout_engine(cfg: RunConfig, chunks, model_cfg: ModelConfig, tokenizer, route_dtype=None):

@@ -253,6 +253,20 @@ def test_build_gives_the_vllm_engine_the_route_dtype(monkeypatch, tmp_path):
     assert seen["route_dtype"] is None
 
 
+@pytest.mark.parametrize("engine, replay, expected", [
+    ("megatron", "none", torch.uint8), ("megatron", "r3", torch.uint8),  # the built-in sampler: always
+    ("vllm", "r3", torch.uint8), ("vllm", "r2", None), ("vllm", "none", None)])  # vLLM: for R3 only
+def test_which_engine_returns_routes(engine, replay, expected):
+    from emapg_megatron import build
+    from emapg_megatron.arguments import parse_args
+    from emapg_megatron.step.moe import MoERouting
+
+    cfg = parse_args(["--preset", "moe-tiny-cpu", "--rollout-engine", engine, "--moe-routing-replay", replay])
+    routing = MoERouting.for_policy(MIXED, cfg.moe, pipeline=1, sequence_parallel=False, packing=False)
+    assert build.rollout_route_dtype(cfg, routing) == expected
+    assert build.rollout_route_dtype(cfg, None) is None  # a dense policy
+
+
 def test_the_policys_route_dtype_is_what_the_engine_gets():
     """build_trainer hands the engine ``MoERouting.record_dtype``: a MoE policy at PP = 1 records
     (R3 and the agreement metric), a dense one does not."""

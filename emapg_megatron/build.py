@@ -205,14 +205,19 @@ def summarize(inputs: RunInputs) -> str:
 def build_trainer(inputs: RunInputs) -> Trainer:
     """The run's components on this rank (call after ``runtime.initialize``)."""
     cfg, model_cfg = inputs.config, inputs.model_cfg
-    base = lora_base(cfg)
-    if cfg.checkpoint.load:  # before the base is read: a checkpoint this run cannot resume is one line
-        step = checkpointing.agreed_latest_iteration(cfg.checkpoint.load)
-        checkpointing.check_same_model(checkpointing.iteration_dir(cfg.checkpoint.load, step), cfg.lora.enabled, base)
+    # before any weight is read: a checkpoint this run cannot resume is one line
+    resume = None
+    if cfg.checkpoint.load:
+        resume = checkpointing.iteration_dir(cfg.checkpoint.load,
+                                             checkpointing.agreed_latest_iteration(cfg.checkpoint.load))
+        checkpointing.check_same_model(resume, cfg.lora.enabled)
+    base = lora_base(cfg, resume)
+    if resume is not None and cfg.lora.enabled:
+        checkpointing.check_lora_base(resume, base)
     chunks, optimizer = build_model_and_optimizer(model_cfg, cfg.optim, cfg.precision,
                                                   sequence_parallel=cfg.parallel.sequence_parallel, moe=cfg.moe,
                                                   lora=cfg.lora, seed=cfg.loop.seed)
-    load_initial_weights(chunks, optimizer, cfg, model_cfg)
+    load_initial_weights(chunks, optimizer, cfg, model_cfg, base)
     if cfg.lora.enabled:
         trainable = sum(p.numel() for p in chunks[0].parameters() if p.requires_grad)
         frozen = sum(p.numel() for p in chunks[0].parameters() if not p.requires_grad)
@@ -292,12 +297,17 @@ def base_source(cfg: RunConfig) -> tuple[str, str] | None:
     return ("--load-hf", cfg.model.load_hf) if cfg.model.load_hf else None
 
 
-def lora_base(cfg: RunConfig) -> BaseRecord | None:
+def lora_base(cfg: RunConfig, resume: str | None = None) -> BaseRecord | None:
     """A LoRA run's base, when it comes from files: each weight file hashed once, on global rank 0
     (its checkpoints then hold the adapters alone and record it: checkpoint/lora_base.py). None
-    without LoRA or for a random base (saved with the adapters)."""
+    without LoRA, for a random base (saved with the adapters), and when the checkpoint it resumes
+    (``resume``) holds its base weights: they are read from it, and so are its later checkpoints'."""
     source = base_source(cfg) if cfg.lora.enabled else None
     if source is None:
+        return None
+    if resume is not None and checkpointing.holds_base_weights(resume):
+        log0(f"--load {resume} holds the LoRA base weights with the adapters: the base is read from it, "
+             f"not from {' '.join(source)}, and the run's checkpoints keep holding it")
         return None
     start = time.monotonic()
     record = on_rank0(lambda: BaseRecord.of(*source))
@@ -306,12 +316,13 @@ def lora_base(cfg: RunConfig) -> BaseRecord | None:
     return record
 
 
-def load_initial_weights(chunks, optimizer, cfg: RunConfig, model_cfg: ModelConfig) -> None:
+def load_initial_weights(chunks, optimizer, cfg: RunConfig, model_cfg: ModelConfig,
+                         base: BaseRecord | None = None) -> None:
     """--pretrained-checkpoint's or --load-hf's weights (else the random init stays). With --load,
-    only a LoRA run's base (its checkpoint holds the adapters alone); a checkpoint of any other
-    run replaces every weight (reading them first would only cost time)."""
+    only a LoRA run's base from files (``base``: its checkpoint holds the adapters alone); any
+    other checkpoint replaces every weight (reading them first would only cost time)."""
     path, hf = cfg.model.pretrained_checkpoint, cfg.model.load_hf
-    if cfg.checkpoint.load and not (cfg.lora.enabled and base_source(cfg)):
+    if cfg.checkpoint.load and base is None:
         return
     if path:
         load_pretrained(chunks, optimizer, path)

@@ -41,6 +41,10 @@ class Requirement:
     kind: str
     names: tuple[str, ...]
     why: str
+    feature: str | None = None
+    """None: every run needs it (missing: the check fails); else the option that needs it alone
+    ("lora": --lora-rank with vLLM, "r3": --moe-routing-replay r3 with vLLM), reported as
+    unavailable without failing (the engine refuses that option in one line on such a vLLM)."""
 
 
 def requirements() -> list[Requirement]:
@@ -48,19 +52,26 @@ def requirements() -> list[Requirement]:
     from emapg_megatron.rollout.config import VLLMConfig
     from emapg_megatron.rollout.vllm_engine import sampling_kwargs
 
-    # with a LoRA rank and a MoE policy's routes: every keyword the engine may pass (enable_lora,
-    # max_lora_rank, max_loras, enable_return_routed_experts too)
-    llm_kwargs = sorted(VLLMConfig(hf_dir="-", lora=LoRAConfig(rank=8), return_routes=True).llm_kwargs_for(1))
+    # every run's keywords, and those LoRA (enable_lora, max_lora_rank, max_loras) and R3
+    # (enable_return_routed_experts) add
+    core = VLLMConfig(hf_dir="-").llm_kwargs_for(1)
+    lora_kwargs = sorted(set(VLLMConfig(hf_dir="-", lora=LoRAConfig(rank=8)).llm_kwargs_for(1)) - set(core))
+    r3_kwargs = sorted(set(VLLMConfig(hf_dir="-", return_routes=True).llm_kwargs_for(1)) - set(core))
     sp_kwargs = sorted(sampling_kwargs(n=1, temperature=1.0, top_p=1.0, max_tokens=1, stop=None,
                                        seed=None))
     llm, worker = "vllm/entrypoints/llm.py", "vllm/v1/worker/gpu_model_runner.py"
     return [
-        Requirement("vllm/engine/arg_utils.py", "EngineArgs", "fields", tuple(llm_kwargs),
+        Requirement("vllm/engine/arg_utils.py", "EngineArgs", "fields", tuple(sorted(core)),
                     "vllm.LLM(**VLLMConfig.llm_kwargs_for(...))"),
+        Requirement("vllm/engine/arg_utils.py", "EngineArgs", "fields", tuple(lora_kwargs),
+                    "vllm.LLM(...) with --lora-rank", feature="lora"),
+        Requirement("vllm/engine/arg_utils.py", "EngineArgs", "fields", tuple(r3_kwargs),
+                    "vllm.LLM(...) with --moe-routing-replay r3", feature="r3"),
         Requirement("vllm/sampling_params.py", "SamplingParams", "fields", tuple(sp_kwargs),
                     "SamplingParams(**sampling_kwargs(...))"),
-        Requirement(llm, "LLM", "method", ("generate", "prompts", "sampling_params", "use_tqdm",
-                                           "lora_request"), "sampling (with LoRA: the adapter)"),
+        Requirement(llm, "LLM", "method", ("generate", "prompts", "sampling_params", "use_tqdm"), "sampling"),
+        Requirement(llm, "LLM", "method", ("generate", "lora_request"), "sampling with the adapter",
+                    feature="lora"),
         Requirement(llm, "LLM", "method", ("sleep", "level"), "sleep while training"),
         Requirement(llm, "LLM", "method", ("wake_up", "tags"), "wake weights / KV cache apart"),
         Requirement(llm, "LLM", "method", ("collective_rpc", "method", "args"), "weight sync"),
@@ -74,14 +85,14 @@ def requirements() -> list[Requirement]:
                     ("load_weights", "weights"), "weight sync into Llama"),
         Requirement("vllm/lora/request.py", "LoRARequest", "fields",
                     ("lora_name", "lora_int_id", "lora_path"),
-                    "LoRA: each sync's adapter, a peft folder on disk"),
+                    "LoRA: each sync's adapter, a peft folder on disk", feature="lora"),
         Requirement("vllm/v1/engine/llm_engine.py", "LLMEngine", "method", ("remove_lora", "lora_id"),
-                    "LoRA: LLM.llm_engine drops the previous adapter"),
+                    "LoRA: LLM.llm_engine drops the previous adapter", feature="lora"),
         Requirement("vllm/outputs.py", "CompletionOutput", "fields",
                     ("index", "text", "token_ids", "logprobs", "finish_reason"),
                     "reading samples"),
         Requirement("vllm/outputs.py", "CompletionOutput", "fields", ("routed_experts",),
-                    "a MoE policy's routes (R3, moe_route_agreement): LLM(enable_return_routed_experts=True)"),
+                    "a MoE policy's routes (R3): LLM(enable_return_routed_experts=True)", feature="r3"),
         Requirement("vllm/config", "", "literals", ("processed_logprobs",),
                     "log pi_sampling after temperature / top-p"),
         Requirement("vllm/config", "", "literals", ("external_launcher",),
@@ -144,12 +155,19 @@ def missing(req: Requirement, root: str) -> list[str]:
 
 
 def check(root: str) -> dict:
+    """The report: ``failed`` / ``missing`` count what every run needs; ``unavailable_features``
+    names each option (``lora``, ``r3``) this vLLM cannot serve, with what it lacks."""
+    reqs = requirements()
     results = [{"requirement": f"{r.cls or r.path}: {', '.join(r.names)}", "why": r.why,
-                "missing": missing(r, root)} for r in requirements()]
-    failed = [r for r in results if r["missing"]]
+                "feature": r.feature, "missing": missing(r, root)} for r in reqs]
+    failed = [r for r in results if r["missing"] and r["feature"] is None]
+    unavailable = {}
+    for r in results:
+        if r["missing"] and r["feature"] is not None:
+            unavailable.setdefault(r["feature"], []).extend(r["missing"])
     return {"source": root, "version": _version(root), "checks": len(results),
             "failed": len(failed), "missing": [m for r in failed for m in r["missing"]],
-            "results": results}
+            "unavailable_features": unavailable, "results": results}
 
 
 def _version(root: str) -> str | None:

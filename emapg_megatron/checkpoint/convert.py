@@ -50,7 +50,7 @@ from emapg_megatron.checkpoint.hf_io import (
 )
 from emapg_megatron.checkpoint.hf_mapping import HFMapping, stored_key_alias
 from emapg_megatron.checkpoint.lora_base import BaseRecord, check_same_base
-from emapg_megatron.checkpoint.paths import TRACKER, iteration_dir
+from emapg_megatron.checkpoint.paths import MODEL_KEY_PREFIXES, TRACKER, iteration_dir  # noqa: F401 (re-exported)
 from emapg_megatron.checkpoint.safe_load import (
     DCP_METADATA,
     load_verified,
@@ -75,8 +75,6 @@ from emapg_megatron.training.collectives import on_rank0
 METADATA = "emapg_model_config.json"
 FORMAT = "emapg-mcore-v1"
 MAX_SAVED_PARALLEL = 1024  # the TP / PP a checkpoint records it was saved at (sizes its padding)
-#: The keys of the model's own tensors in a checkpoint (the optimizer's, the EMA's ... carry prefixes).
-MODEL_KEY_PREFIXES = ("embedding.", "decoder.", "output_layer.")
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 DTYPES = tuple(TORCH_DTYPES)
 # One process, nothing to communicate: small buckets only bound the export's transient copies.
@@ -449,7 +447,9 @@ def mcore_to_hf(load: str | Path, out: str | Path, *, hf_template: str | Path | 
     if arch is None or dtype is None:
         raise ConfigError(f"{step_dir}/{METADATA} records no architecture or dtype: it cannot be exported")
     tokenizer_dir = hf_template or _recorded_hf_dir(meta)
-    check_output_apart(out, {"--load": load, "the tokenizer folder": tokenizer_dir, "--lora-base": lora_base})
+    record = saved_lora_base(verify_checkpoint_metadata(step_dir)) if meta.get("lora") is not None else None
+    check_output_apart(out, {"--load": load, "the tokenizer folder": tokenizer_dir, "--lora-base": lora_base,
+                             "the checkpoint's LoRA base": record.path if record is not None else None})
     base = meta.get("hf_config")
     if hf_template is not None:
         base = read_hf_config(hf_template)

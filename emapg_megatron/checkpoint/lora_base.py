@@ -7,7 +7,7 @@ converter's merged export read the base from a folder again and check it file by
 that record; a LoRA run without such files (a random base) saves its base with the adapters.
 
 Hashing reads every weight file once (measured in BENCHMARKS.md: about a second per GB on one
-core); the trainer does it on one rank.
+core); the trainer does it on global rank 0, after the checks that need no hash.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from emapg_megatron.errors import ConfigError
 #: The flags a base can come from, and how each names its weight files.
 SOURCES = ("--load-hf", "--pretrained-checkpoint")
 _HEX = frozenset("0123456789abcdef")
+_CHUNK = 1 << 22  # bytes hashed per read: bounded memory on any file
 
 
 def weight_files(flag: str, path: str) -> list[str]:
@@ -39,9 +40,16 @@ def weight_files(flag: str, path: str) -> list[str]:
 
 
 def file_sha256(path: str, root: str) -> str:
-    """The sha256 of ``path``, a regular file inside the folder ``root`` (links resolved)."""
+    """The sha256 of ``path``, a regular file inside the folder ``root`` (links resolved); a read
+    error is one ConfigError line."""
+    digest = hashlib.sha256()
     with open_checked(path, None, root) as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+        try:
+            while chunk := f.read(_CHUNK):
+                digest.update(chunk)
+        except OSError as e:
+            raise ConfigError(f"cannot read {path}: {e.strerror or e}") from None
+    return digest.hexdigest()
 
 
 @dataclass(frozen=True)
@@ -94,9 +102,11 @@ def check_same_base(saved: BaseRecord, given: BaseRecord, what: str, hint: str) 
     """Refuse in one line a base (``given``) other than the one the adapters were trained on
     (``saved``): another source flag, another file set or any file with another digest. ``what``
     names the checkpoint, ``hint`` says how to give the right base."""
-    if saved.flag != given.flag:
+    if saved.flag != given.flag:  # --pretrained-checkpoint wins over --load-hf (build.base_source)
+        fix = ("drop --pretrained-checkpoint" if given.flag == "--pretrained-checkpoint" else
+               f"pass --pretrained-checkpoint {saved.path}")
         raise ConfigError(f"{what}: its adapters were trained on the base of {saved.describe()}, "
-                          f"this run's base comes from {given.flag} {given.path}: {hint}")
+                          f"this run's base comes from {given.flag} {given.path}: {fix}")
     differ = sorted(n for n in set(saved.files) | set(given.files) if saved.files.get(n) != given.files.get(n))
     if differ:
         more = f" and {len(differ) - 3} more" if len(differ) > 3 else ""

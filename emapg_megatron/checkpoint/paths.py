@@ -13,6 +13,8 @@ import re
 import shutil
 
 TRACKER = "latest_checkpointed_iteration.txt"
+#: The keys of the model's own tensors in a checkpoint (the optimizer's, the EMA's ... carry prefixes).
+MODEL_KEY_PREFIXES = ("embedding.", "decoder.", "output_layer.")
 _STEP_DIR = re.compile(r"iter_\d{7}")
 _RUN_FILE = re.compile(r"\.?iter_\d{7}(\.tmp|\.old-\d+)?|latest_checkpointed_iteration\.txt(\.tmp)?")
 """What a save writes, also half-done: a step's directory being written (``.tmp``) or set aside."""

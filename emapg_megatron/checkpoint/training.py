@@ -34,6 +34,7 @@ from emapg_megatron import mcore_compat
 from emapg_megatron.checkpoint.files import atomic_write_text, fsync_dir, replace_dir
 from emapg_megatron.checkpoint.lora_base import BaseRecord, check_same_base
 from emapg_megatron.checkpoint.paths import (  # noqa: F401  (re-exported)
+    MODEL_KEY_PREFIXES,
     TRACKER,
     iteration_dir,
     partial_saves,
@@ -378,32 +379,45 @@ def saved_lora_base(checkpoint) -> BaseRecord | None:
     return None if entry is None else BaseRecord.from_dict(entry, checkpoint.common_where)
 
 
-def check_same_model(path: str, lora: bool, base: BaseRecord | None) -> None:
-    """Before anything is loaded (metadata only), one line on every rank for a checkpoint this run
-    cannot resume: a LoRA run's (adapters ``<linear>.lora.A`` / ``.lora.B``, docs/lora.md) in a
-    run without LoRA or the other way round (their optimizer and EMA states cover other
-    parameters); an adapters-only checkpoint without its base or with another base than the one
-    it records (``base``: this run's, None when this run's checkpoints hold the base weights)."""
-    checkpoint = verify_on_every_rank(path)  # megatron unpickles .metadata: nothing in it may run
+def holds_base_weights(path: str) -> bool:
+    """Whether the checkpoint ``path`` holds model weights other than LoRA's adapters (metadata
+    only): every checkpoint but an adapters-only one of a LoRA run."""
+    verify_on_every_rank(path)  # megatron unpickles .metadata: nothing in it may run
+    return any(key.startswith(MODEL_KEY_PREFIXES) and not is_adapter_name(key)
+               for key in dist_checkpointing.load_tensors_metadata(path))
+
+
+def check_same_model(path: str, lora: bool) -> None:
+    """Before anything is loaded (metadata only), one line on every rank for a LoRA run's
+    checkpoint (adapters ``<linear>.lora.A`` / ``.lora.B``, docs/lora.md) in a run without LoRA or
+    the other way round: their optimizer and EMA states cover other parameters."""
+    verify_on_every_rank(path)  # megatron unpickles .metadata: nothing in it may run
     before = any(is_adapter_name(key) for key in dist_checkpointing.load_tensors_metadata(path))
     if before != lora:
         was, is_ = ("with", "without") if before else ("without", "with")
         raise agreed(ConfigError(f"--load {path}: the checkpoint was saved {was} LoRA adapters and this "
                                  f"run is {is_} them: resume with the --lora-* flags of the run that saved it"))
-    saved = saved_lora_base(checkpoint) if lora else None
-    if saved is None and base is not None:
-        raise agreed(ConfigError(
-            f"--load {path}: the checkpoint holds its base weights with the adapters (its run had no "
-            f"--load-hf or --pretrained-checkpoint); this run loads a base from {base.flag} {base.path}: "
-            f"resume without {base.flag}"))
-    if saved is not None and base is None:
+
+
+def check_lora_base(path: str, base: BaseRecord | None) -> None:
+    """A LoRA run's checkpoint against this run's base (``base``: its files' record; None when the
+    checkpoint holds the base weights, which are then read from it, or the run has no base from
+    files): an adapters-only checkpoint needs the base it records, one line on every rank
+    otherwise (metadata only)."""
+    checkpoint = verify_on_every_rank(path)
+    saved = saved_lora_base(checkpoint)
+    if holds_base_weights(path):
+        return  # the checkpoint's own base weights are loaded with its adapters
+    if saved is None:
+        raise agreed(ConfigError(f"corrupt checkpoint {path}: it holds LoRA adapters but neither base "
+                                 "weights nor a record of its base"))
+    if base is None:
         raise agreed(ConfigError(f"--load {path}: the checkpoint holds the adapters only; their base is "
                                  f"{saved.describe()}: resume with {saved.flag} {saved.path}"))
-    if saved is not None:
-        try:
-            check_same_base(saved, base, f"--load {path}", f"resume with {saved.flag} of the base it records")
-        except ConfigError as e:
-            raise agreed(e) from None
+    try:
+        check_same_base(saved, base, f"--load {path}", f"resume with {saved.flag} of the base it records")
+    except ConfigError as e:
+        raise agreed(e) from None
 
 
 def load(root: str, sharded_state_dict: dict, iteration: int) -> dict:

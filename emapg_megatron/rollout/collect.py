@@ -14,6 +14,7 @@ checkpoint state; the trainer reads no rollout setting and never asks which coll
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -25,7 +26,7 @@ from emapg_megatron.rollout.engine import RolloutBatch, build_rollout_batch
 from emapg_megatron.rollout.partial import InFlight, Pending, lag_stats
 from emapg_megatron.rollout.route_recording import lay_routes
 from emapg_megatron.tasks.base import encode_text
-from emapg_megatron.training.collectives import flags_and_any, gather_lists
+from emapg_megatron.training.collectives import flags_and_any, gather_lists, gather_ragged
 
 #: The rollout metrics a partial-rollout step logs (partial/...), alike on every rank.
 PARTIAL_KEYS = ("partial/carried", "partial/dropped_stale", "partial/policy_lag_mean",
@@ -264,34 +265,52 @@ class _PromptIds:
         return self.ids[pos]
 
 
+def _in_pool_order(per_rank: list[list], dp: int) -> list:
+    """What each DP rank holds of the pool (rank ``r``: entries ``r, r + dp, ...``), in pool order."""
+    order = [r + j * dp for r, items in enumerate(per_rank) for j in range(len(items))]  # pool index of each
+    flat = [x for items in per_rank for x in items]
+    return [flat[i] for i in sorted(range(len(order)), key=order.__getitem__)]
+
+
 def _pool_order(turns: list, dp: int, group) -> tuple[list, list, list]:
-    """Every DP rank's continued turns (rank ``r`` holds pool entries ``r, r + dp, ...``) in pool
-    order: their token ids, log-probs and finish reasons."""
+    """Every DP rank's continued turns in pool order: their token ids, log-probs and finish
+    reasons."""
     if dp == 1:
         return [t.token_ids for t in turns], [t.logprobs for t in turns], [t.finish_reason or "" for t in turns]
     reasons = ("", "stop", "length")  # "": unfinished (a turn's None)
     codes = gather_lists([[reasons.index(t.finish_reason or "") for t in turns]], group, torch.long)  # per rank
     tokens = gather_lists([t.token_ids for t in turns], group, torch.long)
     logprobs = gather_lists([t.logprobs for t in turns], group)
-    finish = [reasons[int(c)] for rank in codes for c in rank]
-    order = [r + j * dp for r, rank in enumerate(codes) for j in range(len(rank))]  # pool index of each
-    back = sorted(range(len(order)), key=order.__getitem__)
-    return [tokens[i] for i in back], [logprobs[i] for i in back], [finish[i] for i in back]
+    split = list(itertools.accumulate(len(rank) for rank in codes))
+
+    def per_rank(flat):
+        return [flat[end - len(rank):end] for rank, end in zip(codes, split)]
+
+    finish = [[reasons[int(c)] for c in rank] for rank in codes]
+    return (_in_pool_order(per_rank(tokens), dp), _in_pool_order(per_rank(logprobs), dp),
+            _in_pool_order(finish, dp))
 
 
 def _routes_in_pool_order(routes: list, dp: int, group, dtype: torch.dtype) -> list:
     """Every DP rank's continued sequences' routes (``[positions, layers, k]`` each, None where
-    unrecorded; rank ``r`` holds pool entries ``r, r + dp, ...``) in pool order."""
+    unrecorded) in pool order: two packed gathers (each rank's sizes, then its route values as
+    int32), no Python list of the values."""
     if dp == 1:
         return list(routes)
-    counts = [int(n) for (n,) in gather_lists([[len(routes)]], group, torch.long)]  # one per rank
-    shapes = gather_lists([list(r.shape[1:]) for r in routes if r is not None][:1], group, torch.long)
-    flat = gather_lists([r.flatten().tolist() if r is not None else [] for r in routes], group, torch.long)
-    shape = tuple(int(v) for v in shapes[0]) if shapes else ()
-    values = [torch.tensor(f, dtype=dtype).view(-1, *shape) if f else None for f in flat]
-    order = [r + j * dp for r, n in enumerate(counts) for j in range(n)]  # pool index of each
-    back = sorted(range(len(order)), key=order.__getitem__)
-    return [values[i] for i in back]
+    shape = next((tuple(r.shape[1:]) for r in routes if r is not None), (0, 0))
+    sizes = torch.tensor([*shape, *(0 if r is None else r.shape[0] for r in routes)], dtype=torch.long)
+    values = [r.reshape(-1).to(torch.int32) for r in routes if r is not None]
+    every_sizes = gather_ragged(sizes, group)
+    every_values = gather_ragged(torch.cat(values) if values else torch.zeros(0, dtype=torch.int32), group)
+    layers, k = next((tuple(s[:2].tolist()) for s in every_sizes if s[0] > 0), (0, 0))
+    per_rank = []
+    for rank_sizes, rank_values in zip(every_sizes, every_values):
+        rank_values, at, items = rank_values.cpu(), 0, []
+        for n in rank_sizes[2:].tolist():
+            items.append(rank_values[at:at + n * layers * k].view(n, layers, k).to(dtype) if n else None)
+            at += n * layers * k
+        per_rank.append(items)
+    return _in_pool_order(per_rank, dp)
 
 
 def _decode_metrics(stats) -> dict:

@@ -70,7 +70,7 @@ from megatron.core import parallel_state as ps
 from packaging.version import Version
 
 from emapg_megatron import runtime
-from emapg_megatron.errors import ConfigError, RunError
+from emapg_megatron.errors import ConfigError, RunError, agreed
 from emapg_megatron.rollout import weight_sync
 from emapg_megatron.rollout.config import VLLMConfig
 from emapg_megatron.rollout.engine import (
@@ -78,7 +78,7 @@ from emapg_megatron.rollout.engine import (
     build_rollout_batch,
 )
 from emapg_megatron.rollout.episodes import Episode, Turn, run_episodes
-from emapg_megatron.rollout.route_recording import lay_routes
+from emapg_megatron.rollout.route_recording import fill_routes, lay_routes
 from emapg_megatron.tasks.base import encode_text
 
 logger = logging.getLogger(__name__)
@@ -174,6 +174,24 @@ def vllm_routes(routed, *, fed: int, model_cfg, dtype: torch.dtype) -> torch.Ten
     return torch.from_numpy(np.ascontiguousarray(routes).astype(np.int64)).to(dtype)
 
 
+#: What each option adds to ``LLM(...)``, for the one line a vLLM without it gets.
+_OPTION_KWARGS = {"enable_lora": "--lora-rank", "enable_return_routed_experts": "--moe-routing-replay r3"}
+
+
+def _start_llm(vllm, kwargs: dict):
+    """``vllm.LLM(**kwargs)``; a vLLM that lacks an option's keyword (tools/check_vllm_api.py lists
+    them as unavailable features) is one ConfigError line naming the option."""
+    try:
+        return vllm.LLM(**kwargs)
+    except TypeError as e:
+        option = next((flag for key, flag in _OPTION_KWARGS.items() if key in kwargs and key in str(e)), None)
+        if option is None:
+            raise
+        raise ConfigError(f"{option} with --rollout-engine vllm: this vLLM ({getattr(vllm, '__version__', '?')}) "
+                          f"does not take LLM({next(k for k in _OPTION_KWARGS if k in str(e))}=...): "
+                          f"use a vLLM that does, or drop {option}") from None
+
+
 # --- keeping a model-parallel group on one batch ----------------------------------------
 def broadcast_rollout_batch(batch: RolloutBatch, *, src: int, group) -> RolloutBatch:
     """Every rank of ``group`` gets rank ``src``'s batch (all ranks pass same-shaped batches, with
@@ -252,9 +270,12 @@ class VLLMEngine:
         self.lora = cfg.lora if cfg.lora is not None and cfg.lora.enabled else None
         if self.lora is not None:
             self._lora_request_cls = importlib.import_module("vllm.lora.request").LoRARequest
-        self.llm = vllm.LLM(**cfg.llm_kwargs_for(seq_length))
+        self.llm = _start_llm(vllm, cfg.llm_kwargs_for(seq_length))
         self.tokenizer = self.llm.get_tokenizer()
-        self.needs_broadcast = (pipeline_parallel > 1 or
+        # R3: vLLM's route capture need not be alike on every rank of its TP group (it writes it on
+        # TP rank 0), so the model-parallel group's first rank reads the routes and its batch is
+        # everyone's
+        self.needs_broadcast = (pipeline_parallel > 1 or route_dtype is not None or
                                 (trainer_tp is not None and trainer_tp != cfg.tensor_parallel_size))
         self._weights_awake = self._kv_awake = True
         self._weights_valid = False  # dummy weights until the first sync
@@ -398,8 +419,8 @@ class VLLMEngine:
     def _agree(self, batch: RolloutBatch, episodes: list[Episode] | None = None) -> RolloutBatch:
         """Every rank of the model-parallel group takes its first rank's batch (and episode
         texts, which the rewards score) when the vLLM and trainer layouts differ."""
-        if not self.needs_broadcast:
-            return batch
+        if not self.needs_broadcast or not (dist.is_initialized() and ps.model_parallel_is_initialized()):
+            return batch  # (no process group: one rank, nothing to agree)
         group = ps.get_model_parallel_group()
         src = dist.get_process_group_ranks(group)[0]
         if episodes is not None:
@@ -423,21 +444,46 @@ class VLLMEngine:
         params = [self._params(n=n, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens,
                                stop=stop, seed=request_seed(self.cfg.seed, rng_step, p))
                   for p in prompt_index]
-        responses, logprobs, routes = [], [], []
+        responses, logprobs, routed = [], [], []
         for prompt, out in zip(prompts, self._run(prompts, params)):
             for comp in sorted(out.outputs, key=lambda c: c.index):
                 ids = [int(t) for t in comp.token_ids]
                 responses.append(ids)
                 logprobs.append(sampled_logprobs(ids, comp.logprobs))
-                if self.route_dtype is not None:
-                    routes.append(self._routes(comp, len(prompt) + len(ids)))
+                routed.append((comp.routed_experts if self.route_dtype is not None else None,
+                               len(prompt) + len(ids)))
         batch = build_rollout_batch(prompts, responses, logprobs, self.seq_length, self.pad_id, n)
         if self.route_dtype is not None:  # prompt first, from position 0, as the built-in sampler's
-            batch.routes = lay_routes(routes, batch.tokens.shape[1])
+            batch.routes = self._leaders_routes(
+                lambda: [vllm_routes(r, fed=fed, model_cfg=self.model_cfg, dtype=self.route_dtype)
+                         for r, fed in routed], *batch.tokens.shape)
         return self._agree(batch)
 
-    def _routes(self, comp, fed: int) -> torch.Tensor:
-        return vllm_routes(comp.routed_experts, fed=fed, model_cfg=self.model_cfg, dtype=self.route_dtype)
+    def _leaders_routes(self, convert, rows: int, width: int) -> torch.Tensor:
+        """R3: the batch's routes, ``[S, width, MoE layers, k]``, read from vLLM's arrays
+        (``convert()``: each sequence's ``[positions, MoE layers, k]``) on the model-parallel
+        group's first rank, whose batch :meth:`_agree` gives every rank (the others hold the
+        unrouted fill, never read). A route that does not check out is one RunError line on every
+        rank of the group, before any rank goes on."""
+        group = ps.get_model_parallel_group() if dist.is_initialized() and ps.model_parallel_is_initialized() else None
+        leader = dist.get_process_group_ranks(group)[0] if group is not None else None
+        error, routes = None, None
+        if group is None or dist.get_rank() == leader:
+            try:
+                routes = lay_routes(convert(), width)
+            except RunError as e:
+                error = str(e)
+        if group is not None and dist.get_world_size(group) > 1:
+            box = [error]
+            dist.broadcast_object_list(box, src=leader, group=group)  # our own message, not user data
+            error = box[0]
+        if error is not None:
+            raise agreed(RunError(error))
+        if routes is None:  # not the leader: a placeholder of the leader's shape
+            unrouted = fill_routes(width, len(self.model_cfg.moe_layers), self.model_cfg.moe_router_topk,
+                                   self.route_dtype)
+            routes = unrouted.expand(rows, -1, -1, -1).clone()
+        return routes
 
     def continue_histories(self, histories: Sequence[Sequence[int]], *, temperature: float,
                            top_p: float, max_new_tokens: int | Sequence[int],
@@ -453,7 +499,7 @@ class VLLMEngine:
         for history, out in zip(histories, self._run(histories, params)):
             comp = out.outputs[0]
             ids = [int(t) for t in comp.token_ids]
-            routes = self._routes(comp, len(history) + len(ids)) if self.route_dtype is not None else None
+            routes = comp.routed_experts if self.route_dtype is not None else None  # read by the leader
             turns.append(Turn(ids, sampled_logprobs(ids, comp.logprobs), comp.text,
                               comp.finish_reason, routes))
         return turns
@@ -484,8 +530,17 @@ class VLLMEngine:
                                            seq_length=self.seq_length, pad_id=self.pad_id,
                                            group=ps.get_model_parallel_group() if shared else None)
         if self.route_dtype is not None:
-            batch.routes = lay_routes([episode_routes(ep, *last.get(s, ((), None)))
-                                       for s, ep in enumerate(episodes)], batch.tokens.shape[1])
+            def convert():
+                out = []
+                for s, ep in enumerate(episodes):
+                    if s not in last:  # an episode without a request: nothing was fed
+                        out.append(None)
+                        continue
+                    fed, raw = last[s]
+                    routes = vllm_routes(raw, fed=len(fed), model_cfg=self.model_cfg, dtype=self.route_dtype)
+                    out.append(episode_routes(ep, fed, routes))
+                return out
+            batch.routes = self._leaders_routes(convert, *batch.tokens.shape)
         return self._agree(batch, episodes), episodes
 
 

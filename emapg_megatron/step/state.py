@@ -51,7 +51,9 @@ class TrainState:
         """Check the checkpoint's model (LoRA or not, its base) and anchor state (one clear line
         each) and create the optimizer state."""
         lora = any(is_adapter_name(name) for chunk in self.model_chunks for name, _ in chunk.named_parameters())
-        checkpointing.check_same_model(path, lora, self.lora_base)
+        checkpointing.check_same_model(path, lora)
+        if lora:
+            checkpointing.check_lora_base(path, self.lora_base)
         self.anchor.check_checkpoint(path)
         checkpointing.materialize_optimizer_state(self.model_chunks, self.optimizer)
 

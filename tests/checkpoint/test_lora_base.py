@@ -92,5 +92,10 @@ def test_another_base_is_refused_naming_what_differs():
     other = BaseRecord("--load-hf", "/m/c", {"t": "e" * 64})
     with pytest.raises(ConfigError, match=r"differs from it \(s0, s1, s2 and 3 more\): hint$"):
         check_same_base(saved, other, "--load C", "hint")
-    with pytest.raises(ConfigError, match=r"this run's base comes from --pretrained-checkpoint /p: hint$"):
+    with pytest.raises(ConfigError, match=r"this run's base comes from --pretrained-checkpoint /p: drop "
+                                          r"--pretrained-checkpoint$"):
         check_same_base(saved, BaseRecord("--pretrained-checkpoint", "/p", dict(saved.files)), "--load C", "hint")
+    on_checkpoint = BaseRecord("--pretrained-checkpoint", "/ckpt", dict(saved.files))
+    with pytest.raises(ConfigError, match=r"this run's base comes from --load-hf /models/a: pass "
+                                          r"--pretrained-checkpoint /ckpt$"):
+        check_same_base(on_checkpoint, saved, "--load C", "hint")

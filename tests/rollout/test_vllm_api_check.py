@@ -23,6 +23,7 @@ TOOL = os.path.join(ROOT, "tools", "check_vllm_api.py")
 def write_tree(root, drop=lambda req, name: False):
     """A vllm/ tree that has everything ``api.requirements()`` asks for, less what ``drop`` says."""
     classes = defaultdict(lambda: defaultdict(list))  # path -> class -> source lines
+    methods = defaultdict(lambda: defaultdict(dict))  # path -> class -> method -> its parameters
     literals = defaultdict(list)
     for req in api.requirements():
         kept = [n for n in req.names if not drop(req, n)]
@@ -30,11 +31,15 @@ def write_tree(root, drop=lambda req, name: False):
             literals[os.path.join(req.path, "options.py")] += [repr(s) for s in kept]
         elif req.kind == "fields":
             classes[req.path][req.cls] += [f"    {n}: object = None" for n in kept]
-        else:  # a method, perhaps with parameters dropped; its class exists either way
-            body = classes[req.path][req.cls]
+        else:  # a method (its parameters the union of every requirement's), its class either way
+            classes[req.path][req.cls]
             if kept and kept[0] == req.names[0]:
-                params = "".join(f", {p}=None" for p in kept[1:])
-                body += [f"    def {kept[0]}(self{params}):", "        pass"]
+                methods[req.path][req.cls].setdefault(kept[0], {}).update(dict.fromkeys(kept[1:]))
+    for path, by_cls in methods.items():
+        for c, by_name in by_cls.items():
+            for name, params in by_name.items():
+                classes[path][c] += [f"    def {name}(self{''.join(f', {p}=None' for p in params)}):",
+                                     "        pass"]
     files = {path: "\n".join(f"class {c}:\n" + ("\n".join(body) or "    pass")
                              for c, body in by_cls.items()) for path, by_cls in classes.items()}
     files.update({path: "\n".join(lines) for path, lines in literals.items()})
@@ -51,15 +56,19 @@ def test_requirements_follow_the_engine_code():
     from emapg_megatron.lora.config import LoRAConfig
     from emapg_megatron.rollout.config import VLLMConfig
 
-    by_cls = {r.cls: r for r in api.requirements() if r.kind == "fields" and r.cls != "CompletionOutput"}
+    by_cls = {r.cls: r for r in api.requirements() if r.kind == "fields" and r.cls != "CompletionOutput"
+              and r.feature is None}
+    engine_args = {r.feature: set(r.names) for r in api.requirements() if r.cls == "EngineArgs"}
     every = VLLMConfig(hf_dir="-", lora=LoRAConfig(rank=16), return_routes=True).llm_kwargs_for(8)
-    assert set(by_cls["EngineArgs"].names) == set(every)
-    assert set(every) - set(VLLMConfig(hf_dir="-").llm_kwargs_for(8)) == {
-        "enable_lora", "max_lora_rank", "max_loras", "enable_return_routed_experts"}
+    assert engine_args[None] == set(VLLMConfig(hf_dir="-").llm_kwargs_for(8))
+    assert engine_args["lora"] == {"enable_lora", "max_lora_rank", "max_loras"}
+    assert engine_args["r3"] == {"enable_return_routed_experts"}
+    assert set().union(*engine_args.values()) == set(every)
     outputs = {n for r in api.requirements() if r.cls == "CompletionOutput" for n in r.names}
     assert {"token_ids", "logprobs", "routed_experts"} <= outputs
     assert {"logprobs", "seed", "include_stop_str_in_output"} <= set(by_cls["SamplingParams"].names)
-    assert set(by_cls["LoRARequest"].names) == {"lora_name", "lora_int_id", "lora_path"}
+    lora_request = next(r for r in api.requirements() if r.cls == "LoRARequest")
+    assert set(lora_request.names) == {"lora_name", "lora_int_id", "lora_path"} and lora_request.feature == "lora"
 
 
 def test_complete_tree_passes(tmp_path):
@@ -76,17 +85,27 @@ def test_complete_tree_passes(tmp_path):
     ("LLM", "collective_rpc", "LLM.collective_rpc()"),
     ("GPUModelRunner", "get_model", "GPUModelRunner.get_model()"),
     ("", "processed_logprobs", "'processed_logprobs' in vllm/config"),
-    ("EngineArgs", "max_lora_rank", "EngineArgs.max_lora_rank"),
-    ("LLM", "lora_request", "LLM.generate(lora_request=)"),
-    ("LoRARequest", "lora_int_id", "LoRARequest.lora_int_id"),
-    ("LLMEngine", "remove_lora", "LLMEngine.remove_lora()"),
-    ("EngineArgs", "enable_return_routed_experts", "EngineArgs.enable_return_routed_experts"),
-    ("CompletionOutput", "routed_experts", "CompletionOutput.routed_experts"),
 ])
 def test_each_missing_name_is_reported(tmp_path, cls, name, expected):
     report = api.check(write_tree(tmp_path, drop=lambda r, n: r.cls == cls and n == name))
     assert report["missing"] == [expected]
-    assert report["failed"] == 1
+    assert report["failed"] == 1 and report["unavailable_features"] == {}
+
+
+@pytest.mark.parametrize("cls,name,feature,expected", [
+    ("EngineArgs", "max_lora_rank", "lora", "EngineArgs.max_lora_rank"),
+    ("LLM", "lora_request", "lora", "LLM.generate(lora_request=)"),
+    ("LoRARequest", "lora_int_id", "lora", "LoRARequest.lora_int_id"),
+    ("LLMEngine", "remove_lora", "lora", "LLMEngine.remove_lora()"),
+    ("EngineArgs", "enable_return_routed_experts", "r3", "EngineArgs.enable_return_routed_experts"),
+    ("CompletionOutput", "routed_experts", "r3", "CompletionOutput.routed_experts"),
+])
+def test_a_missing_optional_feature_is_reported_without_failing(tmp_path, cls, name, feature, expected):
+    """What only --lora-rank or --moe-routing-replay r3 needs: the image still builds, the
+    report names the option this vLLM cannot serve (the engine refuses it in one line)."""
+    report = api.check(write_tree(tmp_path, drop=lambda r, n: r.cls == cls and n == name and r.feature))
+    assert report["failed"] == 0 and report["missing"] == []
+    assert report["unavailable_features"] == {feature: [expected]}
 
 
 def test_cli_exit_codes_and_json(tmp_path):

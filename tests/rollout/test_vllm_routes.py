@@ -268,8 +268,8 @@ def test_which_engine_returns_routes(engine, replay, expected):
 
 
 def test_the_policys_route_dtype_is_what_the_engine_gets():
-    """build_trainer hands the engine ``MoERouting.record_dtype``: a MoE policy at PP = 1 records
-    (R3 and the agreement metric), a dense one does not."""
+    """``MoERouting.record_dtype``, what build_trainer hands the built-in sampler (and vLLM under
+    r3): a MoE policy at PP = 1 records, a dense one does not."""
     from emapg_megatron.arguments import parse_args
     from emapg_megatron.step.moe import MoERouting
 
@@ -295,6 +295,34 @@ def test_vllm_routes_reach_the_old_policy_pass_under_r3():
     runs = {"r3": (["--moe-routing-replay", "r3"], 1), "none": (["--moe-routing-replay", "none"], 1)}
     (out,) = run_distributed(stub_cases, 1, args=(STUB_BASE, runs), timeout=600)
     assert out["r3"]["stub_ran"] and out["r3"]["handed"] is True
-    assert out["r3"]["moe_route_agreement"] == 1.0
+    assert out["r3"]["moe_route_agreement"] == 1.0  # (by construction: the passes replay what they compare)
     assert out["none"]["stub_ran"] and out["none"]["handed"] is None
     assert out["none"]["moe_route_agreement"] == 0.0
+    # the old pass really replayed the shifted routes: its log-probs left the sampler's, which it
+    # matches when it routes itself (as the sampler did)
+    assert out["r3"]["rollout_logprob_diff"] > 1e-3 and out["none"]["rollout_logprob_diff"] < 1e-6, out
+
+
+def test_a_vllm_without_an_options_keyword_is_one_line():
+    """A vLLM whose LLM(...) lacks what --moe-routing-replay r3 or --lora-rank adds (check_vllm_api
+    reports it as an unavailable feature) is refused naming the option; another TypeError is not
+    reworded."""
+    from emapg_megatron.errors import ConfigError
+    from emapg_megatron.rollout.vllm_engine import _start_llm
+
+    class OldLLM:
+        def __init__(self, model, **kwargs):
+            if kwargs:  # as EngineArgs(...) says it
+                raise TypeError(f"EngineArgs.__init__() got an unexpected keyword argument '{sorted(kwargs)[0]}'")
+
+    vllm = SimpleNamespace(LLM=OldLLM, __version__="0.9.0")
+    with pytest.raises(ConfigError) as e:
+        _start_llm(vllm, {"model": "m", "enable_return_routed_experts": True})
+    assert str(e.value) == ("--moe-routing-replay r3 with --rollout-engine vllm: this vLLM (0.9.0) does not take "
+                            "LLM(enable_return_routed_experts=...): use a vLLM that does, or drop "
+                            "--moe-routing-replay r3")
+    with pytest.raises(ConfigError, match=r"^--lora-rank with --rollout-engine vllm: this vLLM \(0.9.0\)"):
+        _start_llm(vllm, {"model": "m", "enable_lora": True, "max_loras": 1})
+    with pytest.raises(TypeError):
+        _start_llm(vllm, {"model": "m", "bogus": 1})
+    assert isinstance(_start_llm(vllm, {"model": "m"}), OldLLM)

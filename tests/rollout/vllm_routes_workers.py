@@ -68,7 +68,7 @@ def one_step_with_stub_engine(argv: list, shift: int) -> dict:
     trainer.routing.before_passes = spy
     m = trainer.step(1).metrics
     return {"moe_route_agreement": m.get("moe_route_agreement"), "handed": laid.get("handed"),
-            "stub_ran": "routes" in laid}
+            "rollout_logprob_diff": m.get("rollout_logprob_diff"), "stub_ran": "routes" in laid}
 
 
 def stub_cases(argv: list, runs: dict) -> dict:

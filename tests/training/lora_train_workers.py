@@ -128,14 +128,18 @@ def _named(chunks) -> dict:
             p.detach().float().clone() for n, p in gpt.named_parameters()}
 
 
-def lora_save_and_continue(argv: list, ckpt: str, saved_at: int, steps: int) -> dict:
+def lora_save_and_continue(argv: list, ckpt: str, saved_at: int, steps: int, adapters_only: bool = True) -> dict:
     """``saved_at`` trainer steps, a checkpoint (the trainer's ``run.loop.save``), then on to
-    ``steps``: the metrics after the checkpoint and the final parameters and EMA."""
+    ``steps``: the metrics after the checkpoint and the final parameters and EMA. Not
+    ``adapters_only``: the checkpoint holds the base weights too and records no base (as a random
+    base's does, and every LoRA checkpoint before adapters-only ones)."""
     from emapg_megatron import build
     from emapg_megatron.run import loop
 
     inputs = build.prepare(argv)
     trainer = build.build_trainer(inputs)
+    if not adapters_only:
+        trainer.state.lora_base = None
     for i in range(1, saved_at + 1):
         trainer.step(i)
     loop.save(trainer.state, ckpt, saved_at, loop.RunRecord(model=build.model_metadata(inputs)))

@@ -256,6 +256,20 @@ def test_a_pp2_lora_checkpoint_reshards_to_one_rank(hf_models, tmp_path):
         assert one["metrics"][0][k] == pytest.approx(before[0]["metrics"][0][k], rel=1e-4, abs=1e-7), k
 
 
+def test_a_lora_checkpoint_holding_its_base_resumes_from_it(hf_models, tmp_path):
+    """A LoRA checkpoint that holds its base weights (a random base's, or one saved before
+    checkpoints held the adapters alone) resumed under --load with --load-hf: the base comes from
+    the checkpoint, not from the folder (here a changed copy, never read), and step 3 is the
+    uninterrupted run's, bit for bit."""
+    hf = hf_models["qwen2-tied-gqa-bias"]
+    ckpt, changed = str(tmp_path / "save"), _changed_copy(hf, tmp_path / "changed")
+    (before,) = run_distributed(lora_save_and_continue, 1, args=(argv(hf), ckpt, 2, 3, False), timeout=300)
+    (after,) = run_distributed(lora_resume, 1, args=([*argv(changed), "--load", ckpt], ckpt, 3), timeout=300)
+    assert [{k: m[k] for k in COMPARED} for m in after["metrics"]] == \
+        [{k: m[k] for k in COMPARED} for m in before["metrics"]]
+    assert all(torch.equal(after["params"][k], before["params"][k]) for k in before["params"])
+
+
 def test_a_lora_checkpoint_resumes_only_with_lora(hf_models, saved):
     ckpt, _ = saved
     full = [*BASE, "--load-hf", hf_models["qwen2-tied-gqa-bias"], "--global-batch-size", "16"]
@@ -332,8 +346,8 @@ def _changed_copy(hf: str, out) -> str:
 
 def test_a_lora_checkpoint_resumes_only_on_the_base_it_names(hf_models, saved, resumed_at_one_rank, tmp_path):
     """The same base files elsewhere resume exactly as in place; a base with one weight changed is
-    refused in one line naming the file (at emapg-train's early check, before the base is read);
-    a run that gives no base file is told which one."""
+    refused in one line naming the file (at emapg-train's early check, before the model is built
+    or any weight read); a run that gives no base file is told which one."""
     ckpt, _ = saved
     hf = hf_models["qwen2-tied-gqa-bias"]
     moved = shutil.copytree(hf, tmp_path / "moved")

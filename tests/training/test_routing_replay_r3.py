@@ -191,7 +191,8 @@ def partial_runs():
     def run(extra):
         return run_distributed(partial_steps, 1, args=([*BASE, *PARTIAL, *R3, *extra], 4), timeout=600)[0]
 
-    return {"frozen": run(["--lr", "0"]), "training": run([])}
+    # training without replay: the old pass routes every token itself, with the step's weights
+    return {"frozen": run(["--lr", "0"]), "training": run(NONE)}
 
 
 def test_r3_with_partial_rollouts_replays_what_the_sampler_fed(partial_runs):
@@ -204,9 +205,10 @@ def test_r3_with_partial_rollouts_replays_what_the_sampler_fed(partial_runs):
         assert m["max_abs_diff"] < 1e-6 and m["moe_route_agreement"] == 1.0, steps
 
 
-def test_r3_with_partial_rollouts_routes_carried_sequences_with_the_current_weights(partial_runs):
-    """Training: the routes a step replays are its own weights' (the old pass routes every trained
-    token as the step's sampler forwards did), though carried tokens were sampled by earlier
+def test_partial_rollouts_route_carried_sequences_with_the_current_weights(partial_runs):
+    """Training, no replay (the old pass routes itself, with the step's weights): the routes a
+    step's rollout carries, which r3 would replay, are the step's own weights' on every trained
+    token (agreement 1 with the old pass's), though carried tokens were sampled by earlier
     policies (their log-probs differ: the lag the importance weights correct)."""
     steps = partial_runs["training"]
     assert max(m["partial/policy_lag_max"] for m in steps) >= 1, steps

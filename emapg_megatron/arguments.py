@@ -332,8 +332,7 @@ def validate_architecture(cfg: RunConfig, model_cfg: ModelConfig) -> None:
     if cfg.moe.routing_replay != "none":
         _check(model_cfg.is_moe, f"--moe-routing-replay {cfg.moe.routing_replay} needs a mixture-of-experts "
                                  "model: this one is dense")
-        for flag, on in (("--sequence-parallel", cfg.parallel.sequence_parallel),
-                         ("--pipeline-model-parallel-size > 1", pp > 1),
+        for flag, on in (("--pipeline-model-parallel-size > 1", pp > 1),
                          ("--sequence-packing", cfg.step.sequence_packing)):
             _check(not on, f"--moe-routing-replay {cfg.moe.routing_replay} does not support {flag} yet "
                            "(the recorded routes are laid out per padded sequence, on every stage)")

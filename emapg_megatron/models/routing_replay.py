@@ -12,7 +12,9 @@ Megatron's router takes its top-k from a ``RouterReplay`` when ``moe_enable_rout
 set: recorded (``RECORD``) or given (``REPLAY_FORWARD``), per layer, as ``[s * b, k]`` expert
 indices in the router's token order (sequence-major, the layer's ``[s, b]`` input flattened).
 Here the routes travel with the batch per sequence, ``[b, s, layers, k]``, so that a training
-micro-batch, which regroups sequences, carries its own. The anchor pass (the EMA swapped in, or a
+micro-batch, which regroups sequences, carries its own. Under sequence parallelism a TP rank's
+routers see its contiguous part of the sequence: it records that part (gathered into the whole
+over the TP group) and replays it. The anchor pass (the EMA swapped in, or a
 teacher) routes itself: the anchor is another model, whose routing is part of the distribution the
 KL term compares with; replaying the policy's routes would make the anchor a function of the policy.
 """
@@ -22,6 +24,8 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
@@ -55,14 +59,52 @@ def routes_to_layers(routes: torch.Tensor) -> list[torch.Tensor]:
     return [routes[:, :, i].transpose(0, 1).reshape(s * b, k).long() for i in range(layers)]
 
 
+def sequence_split(model) -> tuple | None:
+    """Under sequence parallelism (TP > 1), ``(TP group, TP size, TP rank)``: each rank's routers see
+    its contiguous ``1 / TP`` of the sequence (the ``[s, b]`` input split on ``s``); else None."""
+    router = next((m for m in model.modules() if isinstance(m, TopKRouter)), None)
+    if router is None or not router.config.sequence_parallel:
+        return None
+    tp = ps.get_tensor_model_parallel_world_size()
+    return None if tp == 1 else (ps.get_tensor_model_parallel_group(), tp, ps.get_tensor_model_parallel_rank())
+
+
+def _gather_sequence(local: torch.Tensor, split: tuple) -> torch.Tensor:
+    """Each TP rank's ``[b, s / TP, layers, k]`` routes -> the whole ``[b, s, layers, k]``
+    (sent as int32: NCCL has no int16)."""
+    group, tp, _ = split
+    sent = local.to(torch.int32).contiguous()
+    parts = [torch.empty_like(sent) for _ in range(tp)]
+    dist.all_gather(parts, sent, group=group)
+    return torch.cat(parts, dim=1).to(local.dtype)
+
+
+def _local_sequence(routes: torch.Tensor, split: tuple | None) -> torch.Tensor:
+    """This TP rank's part of ``[b, s, layers, k]`` routes under sequence parallelism."""
+    if split is None:
+        return routes
+    _, tp, rank = split
+    part = routes.shape[1] // tp
+    return routes[:, rank * part:(rank + 1) * part]
+
+
 @contextlib.contextmanager
 def recording(model, b: int, s: int, dtype: torch.dtype):
     """Record the routes of the forward of ``[b, s]`` tokens run in the block: yields a function
-    returning them, ``[b, s, layers, k]`` (None when replay is off)."""
-    replays = router_replays(model)
+    returning them, ``[b, s, layers, k]`` (None when replay is off); under sequence parallelism
+    each TP rank records its part of the sequence, and the function gathers the whole (a
+    collective over the TP group)."""
+    replays, split = router_replays(model), sequence_split(model)
+
+    def read():
+        if not replays:
+            return None
+        local = layers_to_routes([r.get_recorded_indices() for r in replays], b,
+                                 s // split[1] if split else s, dtype)
+        return local if split is None else _gather_sequence(local, split)
+
     with recording_routers(replays):
-        yield lambda: (layers_to_routes([r.get_recorded_indices() for r in replays], b, s, dtype)
-                       if replays else None)
+        yield read
 
 
 @contextlib.contextmanager
@@ -85,7 +127,7 @@ def replaying(model, routes: torch.Tensor | None):
     """The forward run in the block takes its experts from ``routes`` (``[b, s, layers, k]``);
     nothing changes when ``routes`` is None or replay is off."""
     replays = router_replays(model) if routes is not None else []
-    targets = routes_to_layers(routes) if replays else []
+    targets = routes_to_layers(_local_sequence(routes, sequence_split(model))) if replays else []
     if replays and len(targets) != len(replays):
         raise ValueError(f"routes for {len(targets)} MoE layers, the model has {len(replays)}")
     for r, target in zip(replays, targets):

@@ -46,7 +46,7 @@ class MoERouting:
         """None for a dense policy."""
         if not model_cfg.is_moe:
             return None
-        record = pipeline == 1 and not sequence_parallel and not packing
+        record = pipeline == 1 and not packing  # routes laid per padded sequence, on one stage
         return cls(model_cfg.num_experts, len(model_cfg.moe_layers), replay=moe.routing_replay,
                    record=record)
 
@@ -56,8 +56,8 @@ class MoERouting:
             return batch
         if ROLLOUT_ROUTES not in batch:
             raise ConfigError("--moe-routing-replay r3: this step's rollout carries no routes (the "
-                              "built-in sampler and vLLM return them only at PP = 1 without packing or "
-                              "sequence parallelism): use r2")
+                              "built-in sampler and vLLM return them only at PP = 1 without packing): "
+                              "use r2")
         return {**batch, ROUTES: batch[ROLLOUT_ROUTES]}
 
     def old_pass(self) -> dict:

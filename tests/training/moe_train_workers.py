@@ -32,7 +32,7 @@ def train_steps_from(argv: list, steps: int, weights: dict) -> dict:
 
     from emapg_megatron import build
 
-    def load(chunks, optimizer, cfg, model_cfg):
+    def load(chunks, optimizer, cfg, model_cfg, base=None):
         with torch.no_grad():
             for key, p in _named(chunks).items():
                 p.copy_(weights[key])
@@ -55,7 +55,7 @@ def run_from(argv: list, weights: dict) -> list:
     from emapg_megatron import build, train
     from emapg_megatron.run.metrics import read_jsonl
 
-    def load(chunks, optimizer, cfg, model_cfg):
+    def load(chunks, optimizer, cfg, model_cfg, base=None):
         with torch.no_grad():
             for key, p in _named(chunks).items():
                 p.copy_(weights[key])

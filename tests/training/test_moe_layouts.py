@@ -65,7 +65,7 @@ def _argv(hf_dir: str, layout: str, one_rank: bool = False) -> list:
 @pytest.mark.parametrize("arch, layout", CASES, ids=[f"{a}-{lay}" for a, lay in CASES])
 def test_moe_layout_trains_like_one_rank(arch, layout, hf_dirs, trainer_steps):
     nproc, tp, pp, ep, flags = LAYOUTS[layout]
-    routes_recorded = pp == 1 and "--sequence-parallel" not in flags  # per padded sequence only
+    routes_recorded = pp == 1  # per padded sequence on one stage; under SP gathered over TP
     (ref,) = trainer_steps(1, _argv(hf_dirs[arch], layout, one_rank=True), STEPS, export_hf=True)
     outs = trainer_steps(nproc, _argv(hf_dirs[arch], layout), STEPS, tp=tp, pp=pp, ep=ep, export_hf=True)
     for rank, out in enumerate(outs):
@@ -76,6 +76,8 @@ def test_moe_layout_trains_like_one_rank(arch, layout, hf_dirs, trainer_steps):
                     assert k not in m  # the expert load comes from recorded routes (docs/moe.md)
                     continue
                 assert m[k] == pytest.approx(r[k], rel=1e-4, abs=1e-7), (k, rank, step)
+            if routes_recorded:  # the sampler's routes (gathered whole under SP) are the old pass's
+                assert m["moe_route_agreement"] == r["moe_route_agreement"] == 1.0, (rank, step)
     last = ref["metrics"][-1]
     assert last["ema_lag"] > 0 and last["kl"] != 0 and last["grad_norm"] > 0  # the policy really moved
     got, want = outs[0]["hf"], ref["hf"]

@@ -163,6 +163,22 @@ def test_r3_at_ep2_replays_the_expert_groups_routes():
         assert out["r3"]["moe_route_agreement"] == 1.0 and out["none"]["moe_route_agreement"] == 1.0
 
 
+@pytest.mark.parametrize("ep", [1, 2])
+def test_r3_under_tp2_sequence_parallelism_replays_each_ranks_part(ep):
+    """TP = 2 with sequence parallelism, EP = 1 (two ranks) and EP = 2 (four): each rank's routers
+    see half of every sequence. The routes the sampler records are gathered whole (without replay
+    they are the old pass's on every trained token) and each rank replays its half: every trained
+    token's old log-prob is the sampler's, on every rank."""
+    from routing_replay_r3_workers import cases
+
+    tp2 = [*BASE, "--expert-model-parallel-size", str(ep), "--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    outs = run_distributed(cases, 2 * ep, tp=2, ep=ep, args=(tp2, {"r3": (R3, 0.0), "none": (NONE, 0.0)}),
+                           timeout=600)
+    for out in outs:
+        assert out["r3"]["trained_tokens"] > 0 and out["r3"]["max_abs_diff"] < 1e-6, out
+        assert out["none"]["moe_route_agreement"] == 1.0, out
+
+
 def test_the_sampler_records_the_routes_a_full_forward_takes():
     """Every cached decode path (lockstep, lockstep in row micro-batches, fixed-shape slots),
     single-turn and multi-turn (cut turns restart a sequence), and partial rollouts' continued

@@ -56,7 +56,9 @@ import hashlib
 import importlib
 import logging
 import os
+import re
 import shutil
+import stat
 import tempfile
 import weakref
 from collections.abc import Sequence
@@ -174,6 +176,40 @@ def vllm_routes(routed, *, fed: int, model_cfg, dtype: torch.dtype) -> torch.Ten
     return torch.from_numpy(np.ascontiguousarray(routes).astype(np.int64)).to(dtype)
 
 
+_ADAPTER_DIR = re.compile(r"emapg-vllm-lora-r\d+-p(\d+)-")
+
+
+def sweep_stale_adapter_dirs(root: str | None = None) -> list[str]:
+    """Remove the LoRA adapter folders (in ``root``, the temp folder by default) of engines whose
+    process is gone: a SIGKILL, or the second stop signal's immediate exit, skips ``close()``.
+    Only this user's folders named with a process id no process of this node has; returns them."""
+    root = root or tempfile.gettempdir()
+    removed = []
+    for name in os.listdir(root):
+        found = _ADAPTER_DIR.match(name)
+        path = os.path.join(root, name)
+        try:
+            info = os.lstat(path)
+        except OSError:
+            continue
+        if (found is None or not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid()
+                or _process_alive(int(found.group(1)))):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process has it
+        return True
+    return True
+
+
 #: What each option adds to ``LLM(...)``, for the one line a vLLM without it gets.
 _OPTION_KWARGS = {"enable_lora": "--lora-rank", "enable_return_routed_experts": "--moe-routing-replay r3"}
 
@@ -286,7 +322,8 @@ class VLLMEngine:
         self._lora_dir = None
         self._closed = False
         if self.lora is not None:  # private (0700), this rank's; one adapter folder at a time
-            self._lora_dir = tempfile.mkdtemp(prefix=f"emapg-vllm-lora-r{_rank()}-")
+            sweep_stale_adapter_dirs()  # a killed run's (close() never ran)
+            self._lora_dir = tempfile.mkdtemp(prefix=f"emapg-vllm-lora-r{_rank()}-p{os.getpid()}-")
             self._cleanup = weakref.finalize(self, shutil.rmtree, self._lora_dir, True)
         self._sleep()
 

@@ -15,6 +15,7 @@ import gc
 import json
 import os
 import shutil
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -319,6 +320,29 @@ def test_close_and_garbage_collection_remove_the_adapter_folders(stubs, tmp_path
     del engine
     gc.collect()
     assert not os.path.exists(root)
+
+
+def test_a_killed_engines_adapter_folders_are_swept_at_the_next_start(stubs, tmp_path, monkeypatch):
+    """A process killed before close() leaves its adapter folder: the next LoRA engine of this user
+    removes it (its process id names no live process), and only it."""
+    import subprocess
+    import tempfile
+
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    stale = temp / f"emapg-vllm-lora-r0-p{gone.pid}-abc"
+    (stale / "adapter-3").mkdir(parents=True)
+    live = temp / f"emapg-vllm-lora-r1-p{os.getpid()}-xyz"  # a live engine's (this process)
+    live.mkdir()
+    other = temp / f"something-p{gone.pid}-else"
+    other.mkdir()
+    engine = lora_engine(tmp_path)
+    assert not stale.exists() and live.is_dir() and other.is_dir()
+    assert os.path.dirname(engine._lora_dir) == str(temp) and f"-p{os.getpid()}-" in engine._lora_dir
+    engine.close()
 
 
 def test_the_run_closes_its_engine_at_the_end(monkeypatch):

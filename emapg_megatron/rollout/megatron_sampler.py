@@ -238,14 +238,11 @@ class MegatronSampler:
         """The routes one cache-free forward of each whole history takes now, ``[len(h), layers,
         k]`` each: for R3, the routes of a sequence no forward of this step fed (a partial
         rollout finished at an earlier step). A collective over the model-parallel group."""
-        routes = []
-        for start in range(0, len(histories), self.micro_batch_size):  # one micro-batch per forward
-            part = histories[start:start + self.micro_batch_size]
-            _, r = whole_history_forward(self.model_chunks, [list(h) for h in part], seq_length=self.seq_length,
-                                         micro_batch_size=self.micro_batch_size, pad_id=self.pad_id,
-                                         route_dtype=self.route_dtype)
-            routes += [r[i, :len(h)].cpu() for i, h in enumerate(part)]
-        return routes
+        histories = [list(h) for h in histories]  # (split into micro-batches by the forward itself)
+        _, routes = whole_history_forward(self.model_chunks, histories, seq_length=self.seq_length,
+                                          micro_batch_size=self.micro_batch_size, pad_id=self.pad_id,
+                                          route_dtype=self.route_dtype)
+        return [routes[i, :len(h)].cpu() for i, h in enumerate(histories)]
 
     def generate_episodes(self, prompts, n: int, envs, *, tokenizer, temperature: float, top_p: float,
                           max_new_tokens: int, stop: Sequence[str] | None = None, rng_step: int = 0,

@@ -215,17 +215,10 @@ def _validate_lora(cfg: RunConfig) -> None:
                "adapter)")
     if not cfg.lora.enabled:
         return
-    rank, prec = f"--lora-rank {cfg.lora.rank}", cfg.precision
-    for refused, why in (
-            (prec.fp8_format is not None, "does not support --fp8-format: FP8 runs on Transformer "
-                                          "Engine's linears, which take no adapter yet"),
-            (prec.transformer_impl == "transformer_engine",
-             "needs Megatron's local linears (Transformer Engine's take no adapter yet): use "
-             "--transformer-impl local or auto"),
-            (cfg.sampler.engine == "vllm" and cfg.lora.rank > VLLM_MAX_LORA_RANKS[-1],
-             f"is above vLLM's largest max_lora_rank ({VLLM_MAX_LORA_RANKS[-1]}): use the built-in "
-             "sampler or a lower rank")):
-        _check(not refused, f"{rank} {why}")
+    rank = f"--lora-rank {cfg.lora.rank}"
+    _check(cfg.sampler.engine != "vllm" or cfg.lora.rank <= VLLM_MAX_LORA_RANKS[-1],
+           f"{rank} is above vLLM's largest max_lora_rank ({VLLM_MAX_LORA_RANKS[-1]}): use the "
+           "built-in sampler or a lower rank")
 
 
 def _validate_schedule(cfg: RunConfig) -> None:

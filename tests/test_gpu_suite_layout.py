@@ -61,7 +61,8 @@ def test_gpu_test_set_collects_and_every_test_is_marked_gpu(tmp_path):
                  "trainer_cli_two_bf16_steps_on_cuda_local_spec", "builtin_sampler_on_cuda",
                  "two_trainer_steps[plain]", "two_trainer_steps[shard-over-dp]", "two_trainer_steps[cpu-offload]",
                  "topk_kl_op_matches_single_device_library", "transformer_engine_spec", "fp8_hybrid",
-                 "transformer_engine_thd_packing", "vllm_rollout_engine"):
+                 "transformer_engine_thd_packing", "vllm_rollout_engine", "lora_on_transformer_engine_linears",
+                 "fp8_lora_trainer_steps"):
         assert area in ids, f"no GPU test covers {area}"
 
 

@@ -34,7 +34,7 @@ valuable figures first, each stage's limit cut to what is left of ``--budget``:
   rest of the GPU test set;
 * ``te``: install Transformer Engine (its folders, the kept built extension), env, the TE-spec and
   FP8 trainer benchmarks (the local-spec one of ``mcore`` is their baseline on the same machine),
-  the TE/FP8/THD GPU tests;
+  the TE/FP8/THD GPU tests (LoRA on TE's linears included);
 * ``vllm``: install vLLM, env, the vLLM GPU test.
 
 A stage that needs a package whose install failed is skipped, saying so. ``--bundle DIR`` puts
@@ -186,7 +186,8 @@ def phase_stages(phase: str, python: str = sys.executable, pytest_timeout_plugin
                             "transformer_engine"),
                 train_stage("bench_train_fp8", "8 FP8 (hybrid, delayed scaling) trainer steps, TE spec", 110,
                             "transformer_engine", ("--fp8-format", "hybrid")),
-                pytest_stage("te_tests", "TE spec vs HF logits, THD packing vs padded, FP8 trainer steps", 200,
+                pytest_stage("te_tests", "TE spec vs HF logits, THD packing vs padded, FP8 trainer steps, "
+                             "LoRA on TE's linears (bf16 and FP8)", 240,
                              ["tests/gpu/test_gpu_optional.py", "-k", "transformer_engine or fp8"], group)]
     if phase == "vllm":
         return [install, env,

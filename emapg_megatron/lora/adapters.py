@@ -151,23 +151,53 @@ class LoRAAdapter(torch.nn.Module):
                 f"dropout={self.dropout:g}, A={tuple(self.A.shape)}, B={tuple(self.B.shape)}")
 
 
-def _add_update(base, args, kwargs, output):
-    """Forward hook of an adapted layer: its (output, bias) with the adapter's update added to
-    the output (not when merged: then the base weight holds it; not when switched off)."""
-    adapter = base.lora
-    if adapter.merged or not adapter.enabled:
+def split_base_output(output, normed_input: bool):
+    """``(out, bias, normed input or None)`` from an adapted layer's return. Megatron's linears
+    return ``(out, bias)``; Transformer Engine's ``LayerNormLinear`` asked for its norm's output
+    (``return_layernorm_output``) returns ``((out, ln_out), None)`` through Megatron's wrapper, or
+    ``(out, bias, ln_out)`` when it returns its bias."""
+    if not normed_input:
+        out, bias = output
+        return out, bias, None
+    if len(output) == 3:
         return output
-    x = args[0] if args else kwargs["input_"]
-    out, bias = output
-    return out + adapter(x).to(out.dtype), bias
+    (out, ln_out), bias = output
+    return out, bias, ln_out
 
 
-def attach(base: torch.nn.Module, adapter: LoRAAdapter) -> None:
+def _update_hook(normed_input: bool):
+    """The forward hook of an adapted layer: its ``(output, bias)`` with the adapter's update added
+    to the output (not when merged: then the base weight holds it; not when switched off). The
+    adapter reads the layer's input, or with ``normed_input`` the normed input the layer returned
+    (then the caller still gets ``(output, bias)``, as from the layer alone)."""
+
+    def add_update(base, args, kwargs, output):
+        out, bias, ln_out = split_base_output(output, normed_input)
+        adapter = base.lora
+        if adapter.merged or not adapter.enabled:
+            return out, bias
+        x = ln_out if normed_input else (args[0] if args else kwargs.get("input_", kwargs.get("x")))
+        return out + adapter(x).to(out.dtype), bias
+
+    return add_update
+
+
+def attach(base: torch.nn.Module, adapter: LoRAAdapter, *, normed_input: bool = False) -> None:
     """Make ``adapter`` the child ``lora`` of ``base`` and add its update to every forward. The
     base keeps its module and parameter names (``...linear_qkv.weight``): checkpoints, the HF
-    mapping and the anchor see the same model."""
+    mapping and the anchor see the same model.
+
+    ``normed_input``: ``base`` is Transformer Engine's ``LayerNormLinear`` (the layer's norm fused
+    in), so the adapter must read the norm's output, which TE returns on request. It is asked for
+    in TE's sequence-local form (``return_layernorm_output_gathered`` off), which the adapter
+    gathers itself: TE adds the gradient of a returned local norm output to the norm's input
+    gradient (``_LayerNormLinear.backward``, "Residual gradient"), while a gathered one's gradient
+    is not propagated there in TE 2.x (read in its source, docs/lora.md)."""
+    if normed_input:
+        base.return_layernorm_output = True
+        base.return_layernorm_output_gathered = False
     base.lora = adapter
-    base.register_forward_hook(_add_update, with_kwargs=True)
+    base.register_forward_hook(_update_hook(normed_input), with_kwargs=True)
 
 
 @torch.no_grad()

@@ -31,8 +31,10 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
+from megatron.core import parallel_state
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 from megatron.core.utils import make_tp_sharded_tensor_for_checkpoint
@@ -42,22 +44,50 @@ from emapg_megatron.lora import adapters
 from emapg_megatron.lora.config import MEGATRON_TARGETS, LoRAConfig, check_rank
 from emapg_megatron.models.gpt import global_param_name, unwrap
 
-#: The base classes an adapter knows how to wrap, by parallel kind. Transformer Engine's linears
-#: (TELayerNormColumnParallelLinear fuses the layer's norm: the adapter would need the normed
-#: input it does not return by default) are not among them yet.
-BASE_CLASSES = {adapters.COLUMN: ColumnParallelLinear, adapters.ROW: RowParallelLinear}
+#: Megatron's local linears an adapter wraps, by parallel kind.
+LOCAL_CLASSES = {adapters.COLUMN: ColumnParallelLinear, adapters.ROW: RowParallelLinear}
+
+@dataclass(frozen=True)
+class BaseLinear:
+    """What an adapter needs of the linear it adapts: ``kind`` (``"column"`` / ``"row"``), the
+    global widths, the TP group, sequence parallelism, and ``normed_input``: the layer is Transformer
+    Engine's ``LayerNormLinear``, which applies the layer's norm itself, so the adapter reads the
+    normed input the layer returns (:func:`adapters.attach`) instead of the raw one."""
+
+    kind: str
+    in_features: int
+    out_features: int
+    tp_group: object
+    sequence_parallel: bool
+    normed_input: bool = False
 
 
-def _check_base(name: str, module, kind: str) -> None:
-    """One line for a layer an adapter cannot wrap exactly."""
-    if not isinstance(module, BASE_CLASSES[kind]):
-        raise ConfigError(f"LoRA adapts Megatron's local {BASE_CLASSES[kind].__name__}; {name} is a "
-                          f"{type(module).__name__} (Transformer Engine's layers are not supported "
-                          "yet: use --transformer-impl local)")
-    if module.is_expert:
+def describe_base(name: str, module, kind: str) -> BaseLinear:
+    """The :class:`BaseLinear` of ``module`` (Megatron's local ``ColumnParallelLinear`` /
+    ``RowParallelLinear``, or a Transformer Engine linear: Megatron's ``TE*Linear`` wrappers or
+    TE's own, recognised by TE's ``parallel_mode``), or one line for a layer an adapter cannot
+    wrap exactly."""
+    if ".experts." in f".{name}." or getattr(module, "is_expert", False):
         raise ConfigError(f"LoRA on mixture-of-experts experts is not supported yet ({name})")
-    if (kind == adapters.COLUMN and module.gather_output) or (kind == adapters.ROW and not module.input_is_parallel):
-        raise ConfigError(f"LoRA needs {name} to keep its TP split (no gather_output, a split input)")
+    local = LOCAL_CLASSES[kind]
+    if isinstance(module, local):
+        if (kind == adapters.COLUMN and module.gather_output) or (kind == adapters.ROW and not module.input_is_parallel):
+            raise ConfigError(f"LoRA needs {name} to keep its TP split (no gather_output, a split input)")
+        return BaseLinear(kind, module.input_size, module.output_size, module.tp_group,
+                          module.sequence_parallel)
+    if not hasattr(module, "parallel_mode") or not isinstance(getattr(module, "weight", None), torch.Tensor):
+        raise ConfigError(f"LoRA adapts Megatron's {local.__name__} or Transformer Engine's linears; "
+                          f"{name} is a {type(module).__name__}")
+    if module.parallel_mode != kind:
+        raise ConfigError(f"LoRA needs {name} to be {kind}-parallel as in Megatron's GPT layers; this "
+                          f"{type(module).__name__} is {module.parallel_mode or 'replicated'} over TP")
+    tp = module.tp_size  # TE's in_features / out_features are this rank's
+    widths = ((module.in_features, module.out_features * tp) if kind == adapters.COLUMN
+              else (module.in_features * tp, module.out_features))
+    group = (getattr(module, "_tp_group", None) or getattr(module, "tp_group", None)
+             or parallel_state.get_tensor_model_parallel_group())
+    return BaseLinear(kind, *widths, group, bool(module.sequence_parallel),
+                      normed_input=hasattr(module, "return_layernorm_output"))
 
 
 def _adapted_linears(gpt, targets: tuple[str, ...]) -> Iterator[tuple[str, torch.nn.Module, str]]:
@@ -82,19 +112,20 @@ def apply_lora(model, cfg: LoRAConfig, *, seed: int = 0) -> list[str]:
                           "this model (stage)")
     if any(hasattr(module, "lora") for _, module, _ in found):
         raise ConfigError("this model has LoRA adapters already: apply_lora runs once per model")
+    bases = []
     for name, module, leaf in found:  # every refusal before the model changes
-        _check_base(name, module, MEGATRON_TARGETS[leaf])
-        check_rank(cfg.rank, leaf, module.input_size, module.output_size)
+        base = describe_base(name, module, MEGATRON_TARGETS[leaf])
+        check_rank(cfg.rank, leaf, base.in_features, base.out_features)
+        bases.append(base)
     for param in gpt.parameters():
         param.requires_grad_(False)
-    for name, module, leaf in found:
-        kind = MEGATRON_TARGETS[leaf]
+    for (_, module, leaf), base in zip(found, bases):
         gated = leaf == "linear_fc1" and module.config.gated_linear_unit
         adapters.attach(module, adapters.LoRAAdapter(
-            kind, module.input_size, module.output_size, cfg.rank, cfg.alpha, cfg.dropout,
-            out_blocks=2 if gated else 1, tp_group=module.tp_group,
-            sequence_parallel=module.sequence_parallel, dtype=module.weight.dtype,
-            device=module.weight.device))
+            base.kind, base.in_features, base.out_features, cfg.rank, cfg.alpha, cfg.dropout,
+            out_blocks=2 if gated else 1, tp_group=base.tp_group,
+            sequence_parallel=base.sequence_parallel, dtype=module.weight.dtype,
+            device=module.weight.device), normed_input=base.normed_input)
         _shard_adapters_in_checkpoints(module)
     init_adapters(gpt, seed)
     return [name for name, _, _ in found]

@@ -52,8 +52,9 @@ def build_model_and_optimizer(cfg: ModelConfig, optim: OptimConfig, prec: Precis
     With ``lora`` (an enabled :class:`~emapg_megatron.lora.config.LoRAConfig`) the model takes its
     adapters before DDP wraps it (``lora.apply.apply_lora``, A drawn from ``seed``): the base
     weights are frozen, so DDP gives them no gradient buffer and the optimizer neither state nor
-    fp32 main copy; only the adapters train. Megatron's ``auto`` layers are then the local ones
-    (Transformer Engine's linears take no adapter yet). Load base weights afterwards.
+    fp32 main copy; only the adapters train. ``auto`` builds Megatron's local layers then, unless
+    FP8 asks for Transformer Engine's: adapters on TE's linears are CPU-tested against stand-ins
+    only (docs/lora.md), so TE is chosen explicitly. Load base weights afterwards.
 
     As in Megatron-LM's training loop, the model config carries Megatron's
     ``finalize_model_grads``, which the pipeline schedule calls after the last backward: the DP
@@ -61,8 +62,8 @@ def build_model_and_optimizer(cfg: ModelConfig, optim: OptimConfig, prec: Precis
     gradients of TP-replicated weights (qk-layernorm, and all norms under sequence parallelism).
     """
     prec = prec or PrecisionConfig()
-    if lora is not None and lora.enabled and prec.transformer_impl == "auto":
-        prec = replace(prec, transformer_impl="local")
+    if lora is not None and lora.enabled and prec.transformer_impl == "auto" and prec.fp8_format is None:
+        prec = replace(prec, transformer_impl="local")  # until TE's adapters have run on a GPU
     model = build_for_this_rank(cfg, prec, sequence_parallel=sequence_parallel, moe=moe)
     if prec.bf16:
         model = Float16Module(model.config, model)  # casts weights and activations to bf16

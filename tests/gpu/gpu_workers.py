@@ -400,6 +400,46 @@ def te_spec_job(hf_dir: str, tokens: torch.Tensor) -> dict:
     return out
 
 
+def lora_te_job(hf_dir: str, tokens: torch.Tensor, impls=("local", "transformer_engine")) -> dict:
+    """LoRA (rank 8) on the same HF weights and the same adapters (B seeded random) in a model of
+    each of ``impls``, fp32: the base logits, the logits at B = 0, the adapted logits, the loss's
+    adapter gradients, and whether any base weight got a gradient."""
+    from emapg_megatron.checkpoint import hf_config, weights
+    from emapg_megatron.checkpoint.verify import megatron_logits
+    from emapg_megatron.lora.apply import adapter_parameters, set_adapter_weights
+    from emapg_megatron.lora.config import LoRAConfig
+    from emapg_megatron.models.config import PrecisionConfig
+    from emapg_megatron.models.gpt import unwrap
+    from emapg_megatron.training.config import OptimConfig
+    from emapg_megatron.training.model_and_optimizer import build_model_and_optimizer
+
+    cfg, _ = hf_config.model_config_from_hf(hf_config.read_hf_config(hf_dir))
+    out, full = {}, None
+    for impl in impls:
+        _reseed(3)
+        chunks, opt = build_model_and_optimizer(cfg, OptimConfig(lr=0.0, weight_decay=0.0),
+                                                PrecisionConfig(transformer_impl=impl),
+                                                lora=LoRAConfig(rank=8, alpha=16.0), seed=7)
+        gpt = unwrap(chunks[0])
+        weights.load_hf_weights(chunks, cfg, hf_dir)
+        opt.reload_model_params()
+        res = {"qkv_type": type(gpt.decoder.layers[0].self_attention.linear_qkv).__name__,
+               "b0": megatron_logits(chunks, tokens)[..., :cfg.vocab_size].float().cpu()}
+        if full is None:  # the first model's A, a seeded random B: the same adapters in every model
+            g = torch.Generator().manual_seed(9)
+            full = {n: p.detach().cpu().clone() if n.endswith(".A") else 0.05 * torch.randn(p.shape, generator=g)
+                    for n, p, _ in adapter_parameters(gpt)}
+        set_adapter_weights(gpt, {n: t.to(_device()) for n, t in full.items()})
+        res["logits"] = megatron_logits(chunks, tokens)[..., :cfg.vocab_size].float().cpu()
+        res["loss"], _, _ = _lm_step(chunks, opt, [_lm_batch(cfg.vocab_size, n=4, seq=32, seed=9)])
+        res["grads"] = {n: p.main_grad.float().cpu().clone() for n, p, _ in adapter_parameters(gpt)}
+        res["base_with_grad"] = [n for n, p in gpt.named_parameters()
+                                 if ".lora." not in n and (p.requires_grad or p.grad is not None)]
+        out[impl] = res
+        del chunks, opt
+    return out
+
+
 def _on_host(x):
     """``x`` with every tensor (in dicts, lists and tuples) moved to the CPU."""
     if isinstance(x, torch.Tensor):

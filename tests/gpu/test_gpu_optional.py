@@ -44,6 +44,33 @@ def test_transformer_engine_spec_matches_hugging_face_logits(tmp_path):
         assert res["step_ok"] and res["grad_norm"] > 0 and 0 < res["loss"] < 50, res
 
 
+def test_lora_on_transformer_engine_linears_matches_local_linears(tmp_path):
+    """LoRA adapters on the TE spec's linears (TE's LayerNormLinear returning its norm's output to
+    the adapter) against the local spec's, fp32, the same HF weights and adapters: B = 0 gives the
+    base model, the adapted logits and the adapters' gradients agree, no base weight trains. (The
+    CPU suite checks the same on stand-ins with TE's contract, tests/lora/te_like.py.)"""
+    require_te()
+    from gpu_workers import lora_te_job, write_random_qwen2
+
+    from emapg_megatron.checkpoint.verify import compare_logits
+
+    hf = write_random_qwen2(str(tmp_path / "qwen2"))
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    (out,) = run_distributed(lora_te_job, 1, device="cuda", args=(hf, tokens), timeout=600)
+    local, te = out["local"], out["transformer_engine"]
+    assert te["qkv_type"] == "TELayerNormColumnParallelLinear", te["qkv_type"]
+    for res in (local, te):
+        assert not res["base_with_grad"], res["base_with_grad"]
+    assert not torch.equal(te["logits"], te["b0"])  # the random B does change the model
+    c = compare_logits(te["logits"], local["logits"])
+    assert c["cosine_similarity"] >= 0.9999 and c["max_abs_logit_diff"] <= 0.02 * local["logits"].abs().max().item(), c
+    assert abs(te["loss"] - local["loss"]) <= 1e-3 * abs(local["loss"]), (te["loss"], local["loss"])
+    assert set(te["grads"]) == set(local["grads"])
+    for name, g in local["grads"].items():
+        rel = ((te["grads"][name] - g).norm() / g.norm().clamp_min(1e-30)).item()
+        assert rel <= 2e-2, (name, rel)
+
+
 def test_transformer_engine_thd_packing_matches_padded():
     """--sequence-packing on the TE spec takes Megatron's THD path (PackedSeqParams, cu_seqlens)
     into TE's fused attention: passes, losses and gradients of a long-tailed batch equal the
@@ -94,6 +121,25 @@ def test_fp8_hybrid_trainer_steps(tmp_path):
         assert torch.isfinite(w).all(), name
     # Step 1: policy == anchor, so only FP8 quantization (scales move between passes) separates them.
     assert abs(res["metrics"][0]["kl"]) < 0.05, res["metrics"][0]["kl"]
+
+
+def test_fp8_lora_trainer_steps(tmp_path):
+    """--lora-rank 8 with --fp8-format hybrid on the TE spec: the base's GEMMs run in FP8, the
+    adapters in bf16; two trainer steps stay finite, the adapters move and the base does not."""
+    require_te()
+    if compute_capability() < (9, 0):
+        pytest.skip(f"FP8 needs a Hopper (sm90) or newer GPU; this one is sm{''.join(map(str, compute_capability()))}")
+    from gpu_workers import trainer_job
+
+    (res,) = run_distributed(trainer_job, 1, device="cuda", timeout=600,
+                             args=(TRAINER_BASE + FP8_HYBRID + ["--lora-rank", "8", "--lora-alpha", "16"], 2))
+    assert res["fp8"] == "hybrid" and res["qkv_type"] == "TELayerNormColumnParallelLinear", res["qkv_type"]
+    assert res["te_modules_ran_fp8"] > 0, res["te_modules_ran_fp8"]
+    check_common_metrics(res["metrics"], logprob_tol=0.3)  # FP8 activations, as test_fp8_hybrid_trainer_steps
+    first, last = res["weights"][0], res["weights"][-1]
+    moved = {n for n in first if not torch.equal(first[n], last[n])}
+    assert moved and all(".lora." in n for n in moved), sorted(moved)[:5]
+    assert set(res["ema"][-1]) and all(".lora." in n for n in res["ema"][-1]), sorted(res["ema"][-1])[:5]
 
 
 @pytest.fixture(scope="module")

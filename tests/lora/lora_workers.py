@@ -7,7 +7,7 @@ One 2-rank job runs everything. First each rank runs the one-rank layout (the on
 base model's logits, the LoRA model's at B = 0, then with seeded random B the logits and adapter
 gradients, then merged and unmerged. Then the parallel state is rebuilt at TP = 2 and the same
 weights (the one-rank model's, through the HF mapping) and adapters run without and with sequence
-parallelism, and once with dropout; last, at PP = 2, each stage's adapters as initialised. A MoE model and a too-large rank give their refusal lines.
+parallelism, the same on Transformer Engine-like linears (``te_like``), and once with dropout; last, at PP = 2, each stage's adapters as initialised. A MoE model and a too-large rank give their refusal lines.
 """
 
 from __future__ import annotations
@@ -174,6 +174,34 @@ def dropout_run(cfg, hf: dict, full: dict) -> dict:
     return {"grads": grads, "shardings": shardings}
 
 
+def te_like_run(cfg, hf: dict, full: dict, sequence_parallel: bool) -> dict:
+    """At the current TP, the model built on Transformer Engine-like linears (``te_like``: the
+    norms fused into ``linear_qkv`` / ``linear_fc1``): the base logits, the logits at B = 0 and
+    with the adapters switched off, then with ``full`` the logits and adapter gradients, merged."""
+    from unittest import mock
+
+    from te_like import TELikeLayerNormColumnParallelLinear, te_like_layer_spec
+
+    from emapg_megatron.checkpoint.weights import load_hf_weights
+    from emapg_megatron.lora.apply import adapters_off, apply_lora, merge_lora, set_adapter_weights
+
+    with mock.patch("emapg_megatron.models.gpt.layer_spec", te_like_layer_spec):
+        model = build(cfg, sequence_parallel)
+    fused = [type(m) is TELikeLayerNormColumnParallelLinear for m in model.modules()].count(True)
+    load_hf_weights([model], cfg, hf)
+    out = {"fused_norm_layers": fused, "base": forward(model, cfg.vocab_size)}
+    apply_lora(model, lora_config(), seed=SEED)
+    out["b0"] = forward(model, cfg.vocab_size)
+    set_adapter_weights(model, full)
+    with adapters_off([model]):
+        out["off"] = forward(model, cfg.vocab_size)
+    out["logits"] = forward(model, cfg.vocab_size, backward=True)
+    out["grads"], out["shardings"], out["base_with_grad"] = adapter_grads(model)
+    merge_lora(model)
+    out["merged"] = forward(model, cfg.vocab_size)
+    return out
+
+
 def relayout(tp: int, pp: int = 1) -> None:
     """Rebuild Megatron's parallel state at TP = ``tp``, PP = ``pp`` on the same ranks, seeded
     again."""
@@ -215,6 +243,7 @@ def lora_job() -> dict:
     for arch, (cfg, hf, full) in inputs.items():
         for sp in (False, True):
             out[arch][f"tp2{'-sp' if sp else ''}"] = tensor_parallel_run(cfg, hf, full, sp)
+            out[arch][f"te-like-tp2{'-sp' if sp else ''}"] = te_like_run(cfg, hf, full, sp)
     cfg, hf, full = inputs["qwen2.5"]
     out["dropout"] = dropout_run(cfg, hf, full)
     relayout(1, pp=2)  # each stage's adapters under their global names, A as at one rank

@@ -117,18 +117,77 @@ def test_refusals_that_need_a_model(ranks):
     assert refused["experts"].startswith("LoRA on mixture-of-experts experts is not supported yet")
 
 
-def test_transformer_engine_layers_are_refused():
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_transformer_engine_like_linears_match_local_one_rank(ranks, arch, layout):
+    """On linears with Transformer Engine's contract (``te_like``: the layer norms fused into
+    ``linear_qkv`` and ``linear_fc1``, whose adapters read the norm's output the layer returns),
+    at TP = 2 with and without SP: B = 0 and adapters off give the base model exactly, and the
+    logits and adapter gradients equal the local layers' at one rank."""
+    one, runs = ranks[0][arch], [r[arch][f"te-like-{layout}"] for r in ranks]
+    for r in runs:
+        assert r["fused_norm_layers"] == 2 * ARCHS[arch]["num_layers"]
+        assert torch.equal(r["b0"], r["base"]) and torch.equal(r["off"], r["base"])
+        assert not r["base_with_grad"]
+    close(torch.cat([r["base"] for r in runs], dim=-1), one["base"], f"te-like {layout}: base logits")
+    close(torch.cat([r["logits"] for r in runs], dim=-1), one["logits"], f"te-like {layout}: logits")
+    close(torch.cat([r["merged"] for r in runs], dim=-1), one["logits"], f"te-like {layout}: merged")
+    shardings = runs[0]["shardings"]
+    assert set(shardings) == set(one["grads"])
+    for name, sharding in shardings.items():
+        grads = [r["grads"][name] for r in runs]
+        if sharding[0] is None:
+            assert torch.equal(grads[0], grads[1]), name
+        close(full_of(grads, sharding), one["grads"][name], f"te-like {layout}: gradient of {name}")
+
+
+class _Stub(torch.nn.Module):
+    """A layer with some of a TE linear's attributes, for the refusals."""
+
+    def __init__(self, **attrs):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(2, 2))
+        self.__dict__.update(attrs)
+
+
+@pytest.mark.parametrize("module, line", [
+    (torch.nn.Linear(2, 2), "LoRA adapts Megatron's ColumnParallelLinear or Transformer Engine's "
+                            "linears; decoder.layers.0.self_attention.linear_qkv is a Linear"),
+    (_Stub(parallel_mode=None), "LoRA needs decoder.layers.0.self_attention.linear_qkv to be "
+                                "column-parallel as in Megatron's GPT layers; this _Stub is replicated over TP"),
+    (_Stub(parallel_mode="row"), "LoRA needs decoder.layers.0.self_attention.linear_qkv to be "
+                                 "column-parallel as in Megatron's GPT layers; this _Stub is row over TP"),
+    (_Stub(parallel_mode="column", is_expert=True), "LoRA on mixture-of-experts experts is not supported "
+                                                    "yet (decoder.layers.0.self_attention.linear_qkv)"),
+])
+def test_layers_an_adapter_cannot_wrap_are_refused(module, line):
     from emapg_megatron.errors import ConfigError
-    from emapg_megatron.lora.apply import _check_base
+    from emapg_megatron.lora.apply import describe_base
 
-    class TELayerNormColumnParallelLinear(torch.nn.Linear):  # stands in for TE's class
-        pass
+    with pytest.raises(ConfigError) as e:
+        describe_base("decoder.layers.0.self_attention.linear_qkv", module, "column")
+    assert str(e.value) == line
 
-    with pytest.raises(ConfigError, match=r"^LoRA adapts Megatron's local ColumnParallelLinear; "
-                       r"decoder.layers.0.self_attention.linear_qkv is a TELayerNormColumnParallelLinear "
-                       r"\(Transformer Engine's layers are not supported yet: use --transformer-impl local\)$"):
-        _check_base("decoder.layers.0.self_attention.linear_qkv", TELayerNormColumnParallelLinear(2, 2),
-                    "column")
+
+def test_grouped_expert_linears_are_refused_by_name():
+    from emapg_megatron.errors import ConfigError
+    from emapg_megatron.lora.apply import describe_base
+
+    grouped = _Stub(parallel_mode="column")  # TE's GroupedLinear holds weight0, weight1, ...
+    with pytest.raises(ConfigError, match=r"^LoRA on mixture-of-experts experts is not supported yet"):
+        describe_base("decoder.layers.1.mlp.experts.linear_fc1", grouped, "column")
+
+
+def test_base_output_forms():
+    """Megatron's (out, bias); TE's LayerNormLinear with its norm output, through Megatron's
+    wrapper ((out, ln), None) or with its bias returned (out, bias, ln)."""
+    from emapg_megatron.lora.adapters import split_base_output
+
+    out, bias, ln = torch.ones(1), torch.zeros(1), torch.full((1,), 2.0)
+    assert split_base_output((out, bias), False) == (out, bias, None)
+    assert split_base_output(((out, ln), None), True) == (out, None, ln)
+    assert split_base_output((out, bias, ln), True) == (out, bias, ln)
 
 
 @pytest.mark.parametrize("blocks", (1, 2))

@@ -191,8 +191,8 @@ def attach(base: torch.nn.Module, adapter: LoRAAdapter, *, normed_input: bool = 
     in), so the adapter must read the norm's output, which TE returns on request. It is asked for
     in TE's sequence-local form (``return_layernorm_output_gathered`` off), which the adapter
     gathers itself: TE adds the gradient of a returned local norm output to the norm's input
-    gradient (``_LayerNormLinear.backward``, "Residual gradient"), while a gathered one's gradient
-    is not propagated there in TE 2.x (read in its source, docs/lora.md)."""
+    gradient (``_LayerNormLinear.backward``, "Residual gradient"), while since TE's #1711 (in
+    2.11) a gathered one's gradient is not propagated at all (docs/lora.md)."""
     if normed_input:
         base.return_layernorm_output = True
         base.return_layernorm_output_gathered = False

@@ -126,7 +126,9 @@ def te_like_layer_spec(cfg, device_type, tcfg, vp_stage=None, impl="auto"):
     layer = specs.get_gpt_layer_local_spec(qk_layernorm=cfg.qk_layernorm, normalization="RMSNorm")
     sub = layer.submodules
     sub.input_layernorm = sub.pre_mlp_layernorm = IdentityOp
-    attn, mlp = sub.self_attention.submodules, sub.mlp.submodules
+    attn = sub.self_attention.submodules
+    # the MLP slot is a ModuleSpec (megatron-core 0.16) or a partial of MLP.as_mlp_submodule (0.19)
+    mlp = getattr(sub.mlp, "submodules", None) or sub.mlp.keywords["submodules"]
     attn.linear_qkv, attn.linear_proj = TELikeLayerNormColumnParallelLinear, TELikeRowParallelLinear
     mlp.linear_fc1, mlp.linear_fc2 = TELikeLayerNormColumnParallelLinear, TELikeRowParallelLinear
     if attn.q_layernorm is not IdentityOp:

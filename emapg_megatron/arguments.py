@@ -12,6 +12,7 @@ component gets its own config. :func:`validate` checks everything that needs no 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from dataclasses import dataclass, field, replace
 from importlib import resources
@@ -203,16 +204,26 @@ def _validate_teacher(cfg: RunConfig) -> None:
 def _validate_lora(cfg: RunConfig) -> None:
     """What LoRA (--lora-rank > 0) does not support yet, each refused in one line (docs/lora.md)."""
     if cfg.lora.peft_init:
-        from emapg_megatron.checkpoint.peft_format import read_peft_config
+        from emapg_megatron.checkpoint.peft_format import rank_needed, read_peft_config
 
-        peft = read_peft_config(cfg.lora.peft_init)  # its config only: the weights are read at build
-        _check((peft.rank, peft.alpha) == (cfg.lora.rank, cfg.lora.alpha),
-               f"--lora-peft-init {cfg.lora.peft_init} is rank {peft.rank}, alpha {peft.alpha:g}: give "
-               f"--lora-rank {peft.rank} --lora-alpha {peft.alpha:g}")
+        folder, peft = cfg.lora.peft_init, read_peft_config(cfg.lora.peft_init)
+        scale = peft.alpha / peft.rank  # peft's update scale, which the run must keep
+
+        def fits(rank: int) -> bool:
+            return cfg.lora.rank >= rank and math.isclose(cfg.lora.alpha / cfg.lora.rank, scale, rel_tol=1e-9)
+
+        _check(fits(peft.rank), f"--lora-peft-init {folder} is rank {peft.rank}, alpha {peft.alpha:g}: give "
+               f"--lora-rank {peft.rank} --lora-alpha {peft.alpha:g} (or a larger rank with alpha / rank "
+               f"{scale:g})")
         _check(cfg.teacher.path or cfg.ema.eta < 1.0,
                "--lora-peft-init with --ema-eta 1: that anchor is the base model without adapters, "
                "which is the start only when B = 0; use --ema-eta below 1 (the EMA starts from the "
                "adapter)")
+        needed = rank_needed(folder)  # more than peft's r where a fused layer's projections have their own A
+        _check(fits(needed), f"--lora-peft-init {folder} gives the projections of a fused layer their own "
+               f"lora_A (rank {peft.rank} each): stacked, they load as one adapter of rank {needed} per "
+               f"layer; give --lora-rank {needed} --lora-alpha {needed * scale:g} (alpha / rank {scale:g}, "
+               "as peft's)")
     if not cfg.lora.enabled:
         return
     rank = f"--lora-rank {cfg.lora.rank}"

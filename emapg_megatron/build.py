@@ -332,7 +332,7 @@ def load_initial_weights(chunks, optimizer, cfg: RunConfig, model_cfg: ModelConf
         optimizer.reload_model_params()
         check_loaded_weights(chunks, f"--load-hf {hf}")
     if cfg.lora.peft_init and not cfg.checkpoint.load:  # the adapters to continue from, on the base just loaded
-        init_from_peft(chunks, cfg.lora, model_cfg)
+        init_from_peft(chunks, cfg.lora, model_cfg, seed=cfg.loop.seed)
         optimizer.reload_model_params()
 
 

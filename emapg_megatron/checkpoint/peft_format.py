@@ -4,9 +4,17 @@
 The names follow :mod:`emapg_megatron.lora.apply`'s table. A fused layer's adapter becomes one
 peft adapter per HF projection: the shared A for each, B's rows split the way the HF mapping splits
 the base weight (the same codec: ``FusedQKV`` per query group, ``GateUp`` into halves), so
-``B_q @ A`` is exactly the q rows of ``B @ A``. Reading one back needs each fused layer's
-projections to share one A (what an export writes); a peft adapter trained with its own A per
-projection is a rank-3r family our fused adapters cannot hold, refused in one line.
+``B_q @ A`` is exactly the q rows of ``B @ A``.
+
+Reading one (:func:`from_peft`) takes a peft adapter of rank r into the model's rank R >= r with
+the same scale (alpha / r = the run's alpha / R, checked with the flags). A layer's A is the A
+its projections share (an export of ours) or, when each projection has its own A (peft's usual
+adapters, q_proj, k_proj and v_proj each with its own), those A stacked: ``[A_q; A_k; A_v]`` is a
+rank-3r A of ``linear_qkv`` and B holds each projection's B in its own A's columns, zero in the
+others, so B A is exactly peft's update. Rows of A past the peft's are the run's own initial A
+(B zero there: a fresh adapter's share of the rank, which trains as one), and a projection the
+peft adapter leaves out gets zero B rows. Training then moves the whole B: the adapter stays a
+shared-A one of rank R, exported as such.
 
 The conversions (:func:`to_peft`, :func:`from_peft`) are pure, on whole (one-rank) matrices keyed
 by global name; :func:`gathered_adapters` assembles them from a TP-split model.
@@ -58,33 +66,59 @@ def to_peft(adapters: Mapping[str, torch.Tensor], model_cfg: ModelConfig) -> dic
 
 
 def from_peft(state: Mapping[str, torch.Tensor], model_cfg: ModelConfig,
-              shapes: Mapping[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
-    """The whole adapter matrices (by global name, of ``shapes``: what the model holds) from
-    peft's state dict; one-line ConfigError for a missing, mis-shaped or unshared-A adapter and
-    for tensors the model has no adapter for."""
+              shapes: Mapping[str, tuple[int, ...]], seed: int = 0) -> dict[str, torch.Tensor]:
+    """The whole adapter matrices (by global name, of ``shapes``: what the model holds, rank R)
+    from peft's state dict (module docstring); rows of A the peft adapter does not fill are
+    :func:`~emapg_megatron.lora.apply.initial_A` of ``seed``. One-line ConfigError for a layer
+    with no adapter, a projection with A and no B (or B and no A), mis-shaped matrices, more rows
+    of A than R, and tensors the model has no adapter for."""
+    from emapg_megatron.lora.apply import initial_A
+
     mapping, out, used = HFMapping(model_cfg), {}, set()
-    for name, shape in shapes.items():
-        adapter, _, matrix = name.rpartition(".")
+    for adapter in sorted({name.rpartition(".")[0] for name in shapes}):
         projections, codec = _parts(mapping, adapter)
-        keys = [f"{PEFT_PREFIX}{hf}.lora_{matrix}.weight" for hf in projections]
-        missing = [k for k in keys if k not in state]
-        if missing:
-            raise ConfigError(f"the peft adapter has no {missing[0]} (the model adapts {adapter})")
-        used.update(keys)
-        if matrix == "A":
-            first = state[keys[0]]
-            if any(not torch.equal(state[k], first) for k in keys[1:]):
-                raise ConfigError(f"the peft adapter gives {', '.join(p.rsplit('.', 1)[-1] for p in projections)} "
-                                  "their own lora_A: a fused layer's adapter shares one A between them "
-                                  "(as the adapters this package exports do)")
-            value = first
-        else:
-            value = codec.to_megatron(lambda n, index: state[_peft_key(n, matrix)][index or ()],
-                                      [f"{hf}.weight" for hf in projections], 0, 1, shape)
-        if tuple(value.shape) != tuple(shape):
-            raise ConfigError(f"the peft adapter's {name}: shape {tuple(value.shape)}, the model's {tuple(shape)} "
-                              "(another rank or base model?)")
-        out[name] = value.float().clone()
+        (rank, width), b_shape = shapes[f"{adapter}.A"], shapes[f"{adapter}.B"]
+        keys = {hf: (_peft_key(hf, "A"), _peft_key(hf, "B")) for hf in projections}
+        present = [hf for hf, pair in keys.items() if any(k in state for k in pair)]
+        if not present:
+            raise ConfigError(f"the peft adapter has no {keys[projections[0]][0]} (the model adapts {adapter})")
+        for hf in present:
+            missing = [k for k in keys[hf] if k not in state]
+            if missing:
+                raise ConfigError(f"the peft adapter has no {missing[0]} (the model adapts {adapter})")
+            used.update(keys[hf])
+        a_of = {hf: state[keys[hf][0]] for hf in present}
+        first = a_of[present[0]]
+        shared = len(present) == len(projections) and all(torch.equal(a, first) for a in a_of.values())
+        blocks = [first] if shared else list(a_of.values())
+        for hf, a in zip([present[0]] if shared else present, blocks):
+            if a.ndim != 2 or a.shape[1] != width:
+                raise ConfigError(f"the peft adapter's {keys[hf][0]}: shape {tuple(a.shape)}, the model's "
+                                  f"input width is {width} (another base model?)")
+        rows = sum(a.shape[0] for a in blocks)
+        if rows > rank:
+            names = ", ".join(p.rsplit(".", 1)[-1] for p in present)
+            own = f"{names} have their own lora_A, {rows} rows in all" if len(blocks) > 1 else f"rank {rows}"
+            raise ConfigError(f"the peft adapter's {own}: {adapter} needs --lora-rank {rows} at least "
+                              f"(this run has {rank}), its alpha scaled alike")
+        A = torch.cat([a.float() for a in blocks], 0)
+        if rows < rank:
+            A = torch.cat([A, initial_A(seed, f"{adapter}.A", rank, width)[rows:]], 0)
+        b_hf, start = {}, 0
+        out_rows = [t.shape[0] for t in codec.to_hf([torch.zeros(b_shape)])]  # each projection's
+        for hf, b_rows in zip(projections, out_rows, strict=True):
+            b = torch.zeros(b_rows, rank)
+            if hf in a_of:
+                given, r = state[keys[hf][1]], a_of[hf].shape[0]
+                if tuple(given.shape) != (b_rows, r):
+                    raise ConfigError(f"the peft adapter's {keys[hf][1]}: shape {tuple(given.shape)}, not "
+                                      f"{(b_rows, r)} (the model's output rows, its lora_A's rank)")
+                b[:, start:start + r] = given.float()
+                start += 0 if shared else r
+            b_hf[f"{hf}.weight"] = b
+        out[f"{adapter}.A"] = A
+        out[f"{adapter}.B"] = codec.to_megatron(lambda n, index: b_hf[n][index or ()],
+                                                list(b_hf), 0, 1, b_shape).float().clone()
     _refuse_unadapted(set(state) - used)
     return out
 
@@ -161,10 +195,10 @@ def _number(x) -> bool:
     return type(x) in (int, float) and math.isfinite(x)
 
 
-def load_peft(adapter_dir: str | Path, model_cfg: ModelConfig,
-              shapes: Mapping[str, tuple[int, ...]]) -> tuple[LoRAConfig, dict[str, torch.Tensor]]:
+def load_peft(adapter_dir: str | Path, model_cfg: ModelConfig, shapes: Mapping[str, tuple[int, ...]],
+              seed: int = 0) -> tuple[LoRAConfig, dict[str, torch.Tensor]]:
     """A peft LoRA folder's config and whole adapter matrices for a model holding ``shapes``
-    (safetensors only: nothing in the folder is unpickled)."""
+    (:func:`from_peft`; safetensors only: nothing in the folder is unpickled)."""
     from safetensors import SafetensorError, safe_open
 
     from emapg_megatron.checkpoint.safe_load import checked_file, first_line
@@ -175,33 +209,76 @@ def load_peft(adapter_dir: str | Path, model_cfg: ModelConfig,
         raise ConfigError(f"{adapter_dir}: no {WEIGHTS_FILE} (peft's safetensors weights; a .bin is "
                           "never unpickled)")
     checked_file(str(weights), str(adapter_dir))  # a regular file inside the folder, not a pipe
-    # what the model's adapters look like in peft's names: every shape checked before a read
+    # what the model's adapters look like in peft's names: every shape checked before a read (a
+    # peft rank up to the model's: lora_A [r, in], lora_B [out, r], r <= R)
     expected = {k: tuple(v.shape) for k, v in
                 to_peft({n: torch.zeros(shape) for n, shape in shapes.items()}, model_cfg).items()}
+
+    def fits(key: str, shape: tuple) -> bool:
+        want, rank_dim = expected[key], 0 if key.endswith(".lora_A.weight") else 1
+        return (len(shape) == 2 and shape[1 - rank_dim] == want[1 - rank_dim]
+                and 1 <= shape[rank_dim] <= want[rank_dim])
+
     try:
         with safe_open(str(weights), framework="pt") as handle:
             stored = {k: tuple(handle.get_slice(k).get_shape()) for k in handle.keys()}  # noqa: SIM118
-            wrong = sorted(f"{k}: {stored[k]} != {expected[k]}" for k in set(stored) & set(expected)
-                           if stored[k] != expected[k])
+            wrong = sorted(f"{k}: {stored[k]} for {expected[k]}" for k in set(stored) & set(expected)
+                           if not fits(k, stored[k]))
             if wrong:
-                raise ConfigError(f"{weights}: adapter shapes differ from this model's (another rank or "
-                                  f"base model?): {'; '.join(wrong[:3])}")
+                raise ConfigError(f"{weights}: adapter shapes do not fit this model's (a larger rank or "
+                                  f"another base model?): {'; '.join(wrong[:3])}")
             state = {k: handle.get_tensor(k) for k in stored if k in expected}
     except (SafetensorError, OSError) as e:
         raise ConfigError(f"corrupt safetensors file {weights}: {first_line(e)}") from None
     _refuse_unadapted(set(stored) - set(expected))  # the state below holds only the expected ones
-    return cfg, from_peft(state, model_cfg, shapes)
+    return cfg, from_peft(state, model_cfg, shapes, seed)
+
+
+def rank_needed(adapter_dir: str | Path) -> int:
+    """The smallest run rank a peft LoRA folder loads into (:func:`from_peft`): the largest count of
+    A rows one Megatron layer takes, its projections' A stacked where they differ (q_proj, k_proj
+    and v_proj of one layer each with its own rank-r A need 3r) and counted once where shared.
+    Reads the folder's A tensors only (safetensors)."""
+    from safetensors import SafetensorError, safe_open
+
+    from emapg_megatron.checkpoint.safe_load import checked_file, first_line
+    from emapg_megatron.lora.config import HF_TARGETS
+
+    weights = Path(adapter_dir) / WEIGHTS_FILE
+    if not os.path.lexists(weights):
+        raise ConfigError(f"{adapter_dir}: no {WEIGHTS_FILE} (peft's safetensors weights; a .bin is "
+                          "never unpickled)")
+    checked_file(str(weights), str(adapter_dir))
+    layers: dict[tuple[str, str], list[torch.Tensor]] = {}
+    try:
+        with safe_open(str(weights), framework="pt") as handle:
+            for key in handle.keys():  # noqa: SIM118
+                module, _, tail = key.rpartition(".lora_A.")
+                parent, _, projection = module.rpartition(".")
+                if tail == "weight" and projection in HF_TARGETS:
+                    layers.setdefault((parent, HF_TARGETS[projection]), []).append(handle.get_tensor(key))
+    except (SafetensorError, OSError) as e:
+        raise ConfigError(f"corrupt safetensors file {weights}: {first_line(e)}") from None
+    needed = 0
+    for a_list in layers.values():
+        distinct = []
+        for a in a_list:
+            if not any(a.shape == d.shape and torch.equal(a, d) for d in distinct):
+                distinct.append(a)
+        needed = max(needed, sum(a.shape[0] for a in distinct if a.ndim == 2))
+    return needed
 
 
 @torch.no_grad()
-def init_from_peft(model_chunks, lora: LoRAConfig, model_cfg: ModelConfig) -> None:
+def init_from_peft(model_chunks, lora: LoRAConfig, model_cfg: ModelConfig, seed: int = 0) -> None:
     """Set every chunk's adapters from the peft folder ``lora.peft_init`` (--lora-peft-init; its
-    rank and alpha were checked against the run's with the flags). Call before the optimizer's
-    main params and the EMA are taken from the weights."""
+    scale was checked against the run's with the flags); ``seed``: the run's, whose initial A
+    fills the rows the peft adapter does not. Call before the optimizer's main params and the
+    EMA are taken from the weights."""
     from emapg_megatron.lora.apply import adapter_shapes, set_adapter_weights
 
     for chunk in model_chunks:
-        _, full = load_peft(lora.peft_init, model_cfg, adapter_shapes(chunk))
+        _, full = load_peft(lora.peft_init, model_cfg, adapter_shapes(chunk), seed)
         set_adapter_weights(chunk, full)
 
 

@@ -22,8 +22,8 @@ ours (``decoder.layers.N.``)                    peft (``base_model.model.model.l
 
 peft's ``lora_alpha`` / ``r`` are ``--lora-alpha`` / ``--lora-rank`` (the same scale). A fused
 layer's adapter shares one A between its projections, so it exports exactly into peft's format;
-a peft adapter trained with a separate A per projection is a different (rank-3r) family and does
-not load into it.
+a peft adapter trained with a separate A per projection loads stacked into one of the summed
+rank (``checkpoint.peft_format.from_peft``).
 """
 
 from __future__ import annotations
@@ -191,15 +191,21 @@ def name_seed(seed: int, name: str) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little")
 
 
+def initial_A(seed: int, name: str, rank: int, in_features: int) -> torch.Tensor:
+    """The one-rank initial A of the adapter matrix ``name`` (global, ``<layer>.lora.A``):
+    U(-1/sqrt(in), 1/sqrt(in)) (peft's kaiming-uniform), drawn on the host from the seed and the
+    name, so every rank and layout draws the same."""
+    bound = adapters.kaiming_uniform_bound(in_features)
+    gen = torch.Generator().manual_seed(name_seed(seed, name))
+    return torch.empty(rank, in_features).uniform_(-bound, bound, generator=gen)
+
+
 @torch.no_grad()
 def init_adapters(model, seed: int = 0) -> None:
-    """A ~ U(-1/sqrt(in), 1/sqrt(in)) (peft's kaiming-uniform), drawn whole on the host from the
-    seed and the global name, then sliced: a TP rank's A is the matching part of the one-rank A,
-    and replicated copies are equal. B = 0."""
+    """A as :func:`initial_A`, sliced: a TP rank's A is the matching part of the one-rank A, and
+    replicated copies are equal. B = 0."""
     for prefix, adapter in named_adapters(model):
-        bound = adapters.kaiming_uniform_bound(adapter.in_features)
-        gen = torch.Generator().manual_seed(name_seed(seed, f"{prefix}.A"))
-        full = torch.empty(adapter.A.shape[0], adapter.in_features).uniform_(-bound, bound, generator=gen)
+        full = initial_A(seed, f"{prefix}.A", adapter.A.shape[0], adapter.in_features)
         adapter.A.copy_(adapter.local("A", full))
         adapter.B.zero_()
 

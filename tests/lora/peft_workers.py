@@ -62,3 +62,40 @@ def export_job(hf_dir: str, out_dir: str | None, full: dict | None = None) -> di
         out["shapes"] = {k: tuple(v.shape) for k, v in gathered.items()}
         out["adapters"] = gathered
     return out
+
+
+def make_peft_adapter(hf_dir: str, out_dir: str, rank: int, alpha: float, targets: list[str]) -> str:
+    """An adapter made by peft itself on the HF base (its usual layout: each projection its own A),
+    both matrices random (``init_lora_weights=False``), saved with ``save_pretrained``."""
+    import peft
+    import transformers
+
+    torch.manual_seed(4)
+    base = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets,
+                                                      init_lora_weights=False))
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+def import_job(hf_dir: str, adapter_dir: str, rank: int, alpha: float, targets: list[str]) -> dict:
+    """The run's model (this TP) with adapters of ``rank`` on ``targets``, set from the peft folder
+    as --lora-peft-init does: the logits (TP shards put together) and the whole adapter matrices."""
+    from lora_workers import SEED, forward
+
+    from emapg_megatron.checkpoint.hf_config import model_config_from_hf, read_hf_config
+    from emapg_megatron.checkpoint.peft_format import gathered_adapters, init_from_peft
+    from emapg_megatron.checkpoint.weights import load_hf_weights
+    from emapg_megatron.lora.apply import apply_lora
+    from emapg_megatron.lora.config import LoRAConfig
+    from emapg_megatron.models.gpt import build_for_this_rank
+
+    cfg, _ = model_config_from_hf(read_hf_config(hf_dir))
+    cfg.make_vocab_size_divisible_by = 8
+    model = build_for_this_rank(cfg)
+    load_hf_weights([model], cfg, hf_dir)
+    lora = LoRAConfig(rank=rank, alpha=alpha, target_modules=tuple(targets), peft_init=adapter_dir)
+    apply_lora(model, lora, seed=SEED)
+    init_from_peft([model], lora, cfg, seed=SEED)
+    return {"logits": forward(model, cfg.vocab_size)[..., : cfg.vocab_size],
+            "adapters": gathered_adapters(model)}

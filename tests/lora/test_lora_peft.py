@@ -75,8 +75,11 @@ V_B = "base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight"
 
 
 @pytest.mark.parametrize("config, state, message", [
-    (None, lambda s: s.__setitem__(Q_A, s[Q_A] + 1), "gives q_proj, k_proj, v_proj their own lora_A"),
-    (None, lambda s: s.__setitem__(V_B, s[V_B][:, :2].contiguous()), "adapter shapes differ from this model's"),
+    (None, lambda s: s.__setitem__(Q_A, s[Q_A] + 1),
+     "q_proj, k_proj, v_proj have their own lora_A, 12 rows in all: decoder.layers.0.self_attention.linear_qkv.lora "
+     "needs --lora-rank 12 at least (this run has 4)"),
+    (None, lambda s: s.__setitem__(V_B, s[V_B][:, :2].contiguous()), V_B + ": shape (32, 2), not (32, 4)"),
+    (None, lambda s: s.__setitem__(V_B, torch.zeros(32, 5)), "adapter shapes do not fit this model's"),
     (None, lambda s: s.pop(V_B), "the peft adapter has no " + V_B),
     (None, lambda s: s.__setitem__("base_model.model.lm_head.lora_A.weight", torch.zeros(4, 64)),
      "holds tensors this model does not adapt"),
@@ -105,3 +108,48 @@ def test_pickled_weights_are_never_read(exported, tmp_path):
     (folder / "adapter_model.bin").write_bytes(b"not to be unpickled")
     with pytest.raises(ConfigError, match="no adapter_model.safetensors .* a .bin is never unpickled"):
         load_peft(folder, cfg, exported["one"]["shapes"])
+
+
+@pytest.mark.parametrize("targets, megatron_targets, rank_each, needed", [
+    (["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+     ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"], 2, 6),
+    (["q_proj", "v_proj"], ["linear_qkv"], 2, 4),  # peft's default for Llama-like models
+])
+def test_an_adapter_peft_made_loads_exactly(exported, tmp_path, targets, megatron_targets, rank_each, needed):
+    """peft's own adapters give each projection its own A: stacked, they load as a shared-A adapter
+    of the stacked rank (alpha scaled alike) with exactly peft's logits, at one rank and at TP = 2;
+    rows past the peft's are the run's initial A with B zero; a projection left out (k_proj) gets
+    zero rows of B."""
+    import peft
+    import transformers
+    from lora_workers import SEED
+    from peft_workers import import_job, make_peft_adapter
+
+    from emapg_megatron.checkpoint.peft_format import rank_needed
+    from emapg_megatron.lora.apply import initial_A
+
+    hf = exported["hf"]
+    folder = make_peft_adapter(hf, str(tmp_path / "peft"), rank_each, 2.0 * rank_each, targets)
+    assert rank_needed(folder) == needed
+    rank = needed + 1  # one row more than needed: the run's own
+    args = (hf, folder, rank, 2.0 * rank, megatron_targets)
+    (one,) = run_distributed(import_job, 1, args=args, timeout=240)
+    tp2 = run_distributed(import_job, 2, tp=2, args=args, timeout=240)
+    base = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
+    model = peft.PeftModel.from_pretrained(base, folder).eval()
+    with torch.no_grad():
+        expected = model(exported["one"]["tokens"]).logits
+        with model.disable_adapter():
+            without = model(exported["one"]["tokens"]).logits
+    assert (expected - without).abs().max() > 1e-2  # the adapter does change the model
+    torch.testing.assert_close(one["logits"], expected, rtol=1e-4, atol=1e-4)
+    for r in tp2:
+        assert sorted(r["adapters"]) == sorted(one["adapters"])
+        assert all(torch.equal(r["adapters"][k], v) for k, v in one["adapters"].items())
+    qkv = "decoder.layers.0.self_attention.linear_qkv.lora"
+    A, B = one["adapters"][f"{qkv}.A"], one["adapters"][f"{qkv}.B"]
+    assert torch.equal(A[needed:], initial_A(SEED, f"{qkv}.A", rank, A.shape[1])[needed:])
+    assert not B[:, needed:].any()
+    if "k_proj" not in targets:  # per query group [q heads, k, v]: the k rows (16 per group) are zero
+        groups = B.reshape(2, -1, rank)  # 2 query groups
+        assert not groups[:, 32:48].any() and groups[:, :32].any() and groups[:, 48:].any()

@@ -429,7 +429,8 @@ def test_each_refusal_is_one_line_before_any_work(extra, line):
 
 
 @pytest.mark.parametrize("config, extra, line", [
-    ({"r": 4, "lora_alpha": 32}, [], "--lora-peft-init {d} is rank 4, alpha 32: give --lora-rank 4 --lora-alpha 32"),
+    ({"r": 4, "lora_alpha": 32}, [], "--lora-peft-init {d} is rank 4, alpha 32: give --lora-rank 4 --lora-alpha 32 "
+     "(or a larger rank with alpha / rank 8)"),
     ({"r": 8, "lora_alpha": 32}, ["--ema-eta", "1"], "--lora-peft-init with --ema-eta 1: that anchor is the base "
      "model without adapters, which is the start only when B = 0; use --ema-eta below 1 (the EMA starts from "
      "the adapter)"),
@@ -449,6 +450,26 @@ def test_lora_on_transformer_engine_and_fp8_passes_the_checks_a_cpu_can_make(ext
     """Adapters go on Transformer Engine's linears (docs/lora.md), so LoRA no longer refuses TE or
     FP8; what needs a GPU is checked when the run starts on one."""
     assert _dry_run(*extra) == (0, "")
+
+
+def test_a_peft_adapter_with_an_a_per_projection_asks_for_the_stacked_rank(tmp_path):
+    """peft's usual adapters (q_proj, k_proj, v_proj each with its own A) load stacked: the dry run
+    names the rank they need before any work (the file's A tensors read, nothing else)."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(0)
+    prefix = "base_model.model.model.layers.0."
+    state = {f"{prefix}self_attn.{p}.lora_A.weight": torch.randn(8, 64, generator=g)
+             for p in ("q_proj", "k_proj", "v_proj")}
+    for p in ("gate_proj", "up_proj"):  # shared: counted once
+        state[f"{prefix}mlp.{p}.lora_A.weight"] = torch.ones(8, 64)
+    save_file(state, str(tmp_path / "adapter_model.safetensors"))
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8, "lora_alpha": 32}))
+    assert _dry_run("--lora-peft-init", str(tmp_path)) == (2, (
+        f"error: --lora-peft-init {tmp_path} gives the projections of a fused layer their own lora_A (rank 8 "
+        "each): stacked, they load as one adapter of rank 24 per layer; give --lora-rank 24 --lora-alpha 96 "
+        "(alpha / rank 4, as peft's)"))
+    assert _dry_run("--lora-peft-init", str(tmp_path), "--lora-rank", "24", "--lora-alpha", "96")[0] == 0
 
 
 def _dry_run_summary(*argv) -> str:

@@ -300,10 +300,11 @@ def base_source(cfg: RunConfig) -> tuple[str, str] | None:
 def lora_base(cfg: RunConfig, resume: str | None = None) -> BaseRecord | None:
     """A LoRA run's base, when it comes from files: each weight file hashed once, on global rank 0
     (its checkpoints then hold the adapters alone and record it: checkpoint/lora_base.py). None
-    without LoRA, for a random base (saved with the adapters), and when the checkpoint it resumes
+    without LoRA, for a random base (saved with the adapters), for a run that neither saves nor
+    resumes (nothing would record or check the hash), and when the checkpoint it resumes
     (``resume``) holds its base weights: they are read from it, and so are its later checkpoints'."""
     source = base_source(cfg) if cfg.lora.enabled else None
-    if source is None:
+    if source is None or not (cfg.checkpoint.save or resume):
         return None
     if resume is not None and checkpointing.holds_base_weights(resume):
         log0(f"--load {resume} holds the LoRA base weights with the adapters: the base is read from it, "

@@ -99,3 +99,19 @@ def test_another_base_is_refused_naming_what_differs():
     with pytest.raises(ConfigError, match=r"this run's base comes from --load-hf /models/a: pass "
                                           r"--pretrained-checkpoint /ckpt$"):
         check_same_base(on_checkpoint, saved, "--load C", "hint")
+
+
+@pytest.mark.parametrize("save, resume, hashed", [(None, None, False), ("out", None, True), (None, "ckpt", True)])
+def test_the_base_is_hashed_only_when_a_checkpoint_records_or_checks_it(sharded_hf, monkeypatch, save, resume,
+                                                                        hashed):
+    """Hashing a 70B base takes minutes on rank 0: a run that neither saves nor resumes skips it."""
+    from types import SimpleNamespace
+
+    from emapg_megatron import build
+
+    cfg = SimpleNamespace(lora=SimpleNamespace(enabled=True), checkpoint=SimpleNamespace(save=save),
+                          model=SimpleNamespace(pretrained_checkpoint=None, load_hf=str(sharded_hf)))
+    # the resumed checkpoint is an adapters-only one (it holds no base weights)
+    monkeypatch.setattr(build.checkpointing, "holds_base_weights", lambda path: False)
+    record = build.lora_base(cfg, resume)
+    assert (record == BaseRecord.of("--load-hf", str(sharded_hf))) if hashed else record is None

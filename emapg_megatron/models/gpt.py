@@ -266,6 +266,19 @@ def build_for_this_rank(cfg: ModelConfig, prec: PrecisionConfig | None = None, *
     return model.cuda(torch.cuda.current_device())
 
 
+def refresh_quantized_weights(model_chunks) -> None:
+    """Make Transformer Engine's FP8 layers quantize their weights afresh at their next forward.
+
+    TE keeps an FP8 copy of each weight between microbatches (``is_first_microbatch``: cast at
+    the first, reused after). Megatron's pipeline schedule refreshes it at each call's first
+    microbatch; a forward outside the schedule (the in-process sampler's) would otherwise run on
+    the copy cast before the last optimizer update. A no-op without FP8."""
+    for chunk in model_chunks:
+        refresh = getattr(chunk, "set_is_first_microbatch", None)
+        if refresh is not None:
+            refresh()
+
+
 def unwrap(model):
     """The GPTModel inside DDP (and Float16Module) wrappers."""
     while hasattr(model, "module"):

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from emapg_megatron import runtime
+from emapg_megatron.models.gpt import refresh_quantized_weights
 from emapg_megatron.rollout import kv_cache_decoding as kv
 from emapg_megatron.rollout.config import SamplerConfig
 from emapg_megatron.rollout.decoders import (
@@ -78,7 +79,10 @@ class MegatronSampler:
                                    route_dtype=route_dtype)
 
     def update_weights(self, model_chunks) -> None:
-        self.model_chunks = model_chunks  # same live model: nothing to copy
+        """The live model's weights moved (an update, a load): nothing to copy, but TE's FP8 layers
+        must cast them again before this sampler's forwards, which run outside Megatron's schedule."""
+        self.model_chunks = model_chunks
+        refresh_quantized_weights(model_chunks)
 
     def metrics(self) -> dict:
         return {}  # no weight sync; each generate's decoding cost comes back with its batch

@@ -34,8 +34,8 @@ valuable figures first, each stage's limit cut to what is left of ``--budget``:
   rest of the GPU test set;
 * ``te``: install Transformer Engine (its folders, the kept built extension), env, the TE-spec and
   FP8 trainer benchmarks (the local-spec one of ``mcore`` is their baseline on the same machine),
-  the TE/FP8/THD GPU tests (LoRA on TE's linears included);
-* ``vllm``: install vLLM, env, the vLLM GPU test.
+  the TE/FP8/THD GPU tests, then LoRA on TE's linears when the budget leaves room;
+* ``vllm``: install vLLM, env, the vLLM GPU test, then the vLLM LoRA test when the budget leaves room.
 
 A stage that needs a package whose install failed is skipped, saying so. ``--bundle DIR`` puts
 ``summary_<phase>.json`` (every stage's JSON inline) and ``<phase>.tar.gz`` (JSON, JUnit, logs)
@@ -186,15 +186,20 @@ def phase_stages(phase: str, python: str = sys.executable, pytest_timeout_plugin
                             "transformer_engine"),
                 train_stage("bench_train_fp8", "8 FP8 (hybrid, delayed scaling) trainer steps, TE spec", 110,
                             "transformer_engine", ("--fp8-format", "hybrid")),
-                pytest_stage("te_tests", "TE spec vs HF logits, THD packing vs padded, FP8 trainer steps, "
-                             "LoRA on TE's linears (bf16 and FP8)", 240,
-                             ["tests/gpu/test_gpu_optional.py", "-k", "transformer_engine or fp8"], group)]
+                pytest_stage("te_tests", "TE spec vs HF logits, THD packing vs padded, FP8 trainer steps", 200,
+                             ["tests/gpu/test_gpu_optional.py", "-k", "(transformer_engine or fp8) and not lora"],
+                             group),
+                # issue 42's, after the TE figures: run when the budget leaves room
+                pytest_stage("lora_te_tests", "LoRA on TE's linears vs the local ones (fp32), FP8 LoRA steps",
+                             150, ["tests/gpu/test_gpu_optional.py", "-k", "lora and (transformer_engine or fp8)"],
+                             group)]
     if phase == "vllm":
         return [install, env,
-                # LoRA through vLLM (test_vllm_lora_rollouts_sync_adapters_only) is one more vLLM
-                # start: left out of this 300 s stage until a check is sized for it (docs/lora.md)
                 pytest_stage("vllm_tests", "vLLM rollout engine: weight sync, sleep/wake, log-prob agreement", 300,
-                             ["tests/gpu/test_gpu_optional.py", "-k", "vllm and not lora"], group)]
+                             ["tests/gpu/test_gpu_optional.py", "-k", "vllm and not lora"], group),
+                # LoRA through vLLM is one more vLLM start: last, when the budget leaves room
+                pytest_stage("vllm_lora_tests", "vLLM LoRA requests: adapters-only sync, log-prob agreement", 240,
+                             ["tests/gpu/test_gpu_optional.py", "-k", "vllm and lora"], group)]
     raise ValueError(f"unknown phase {phase!r}")
 
 

@@ -151,32 +151,34 @@ class LoRAAdapter(torch.nn.Module):
                 f"dropout={self.dropout:g}, A={tuple(self.A.shape)}, B={tuple(self.B.shape)}")
 
 
-def split_base_output(output, normed_input: bool):
-    """``(out, bias, normed input or None)`` from an adapted layer's return. Megatron's linears
-    return ``(out, bias)``; Transformer Engine's ``LayerNormLinear`` asked for its norm's output
-    (``return_layernorm_output``) returns ``((out, ln_out), None)`` through Megatron's wrapper, or
-    ``(out, bias, ln_out)`` when it returns its bias."""
-    if not normed_input:
-        out, bias = output
-        return out, bias, None
-    if len(output) == 3:
-        return output
-    (out, ln_out), bias = output
-    return out, bias, ln_out
+def fused_norm_output(base, x: torch.Tensor) -> torch.Tensor:
+    """The output of the norm that Transformer Engine's ``LayerNormLinear`` applies to ``x``
+    before its GEMM, from TE's own attributes (``normalization``, ``eps``,
+    ``zero_centered_gamma``, ``layer_norm_weight`` / ``layer_norm_bias``), in fp32 and cast back
+    to ``x``'s dtype as TE's kernels do: what a norm-fused layer's adapter reads."""
+    weight = base.layer_norm_weight.float() + (1.0 if base.zero_centered_gamma else 0.0)
+    shape = (x.shape[-1],)
+    if base.normalization == "RMSNorm":
+        y = F.rms_norm(x.float(), shape, weight, base.eps)
+    else:
+        bias = getattr(base, "layer_norm_bias", None)
+        y = F.layer_norm(x.float(), shape, weight, None if bias is None else bias.float(), base.eps)
+    return y.to(x.dtype)
 
 
 def _update_hook(normed_input: bool):
     """The forward hook of an adapted layer: its ``(output, bias)`` with the adapter's update added
     to the output (not when merged: then the base weight holds it; not when switched off). The
-    adapter reads the layer's input, or with ``normed_input`` the normed input the layer returned
-    (then the caller still gets ``(output, bias)``, as from the layer alone)."""
+    adapter reads the layer's input, normed first with ``normed_input`` (:func:`fused_norm_output`)."""
 
     def add_update(base, args, kwargs, output):
-        out, bias, ln_out = split_base_output(output, normed_input)
         adapter = base.lora
         if adapter.merged or not adapter.enabled:
-            return out, bias
-        x = ln_out if normed_input else (args[0] if args else kwargs.get("input_", kwargs.get("x")))
+            return output
+        x = args[0] if args else kwargs.get("input_", kwargs.get("x"))
+        if normed_input:
+            x = fused_norm_output(base, x)
+        out, bias = output
         return out + adapter(x).to(out.dtype), bias
 
     return add_update
@@ -188,14 +190,11 @@ def attach(base: torch.nn.Module, adapter: LoRAAdapter, *, normed_input: bool = 
     mapping and the anchor see the same model.
 
     ``normed_input``: ``base`` is Transformer Engine's ``LayerNormLinear`` (the layer's norm fused
-    in), so the adapter must read the norm's output, which TE returns on request. It is asked for
-    in TE's sequence-local form (``return_layernorm_output_gathered`` off), which the adapter
-    gathers itself: TE adds the gradient of a returned local norm output to the norm's input
-    gradient (``_LayerNormLinear.backward``, "Residual gradient"), while since TE's #1711 (in
-    2.11) a gathered one's gradient is not propagated at all (docs/lora.md)."""
-    if normed_input:
-        base.return_layernorm_output = True
-        base.return_layernorm_output_gathered = False
+    in), so the adapter reads the norm's output, computed again from the layer's input
+    (:func:`fused_norm_output`; elementwise, and autograd carries its gradient to the input). TE
+    can return its own (``return_layernorm_output``), but Megatron's FP8 inference padding, which
+    the built-in sampler uses under FP8, handles only ``(out, bias)`` returns, and since TE's #1711
+    the gathered form's gradient is not propagated (docs/lora.md)."""
     base.lora = adapter
     base.register_forward_hook(_update_hook(normed_input), with_kwargs=True)
 

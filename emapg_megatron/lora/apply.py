@@ -52,7 +52,7 @@ class BaseLinear:
     """What an adapter needs of the linear it adapts: ``kind`` (``"column"`` / ``"row"``), the
     global widths, the TP group, sequence parallelism, and ``normed_input``: the layer is Transformer
     Engine's ``LayerNormLinear``, which applies the layer's norm itself, so the adapter reads the
-    normed input the layer returns (:func:`adapters.attach`) instead of the raw one."""
+    normed input (:func:`adapters.attach`) instead of the raw one."""
 
     kind: str
     in_features: int
@@ -87,7 +87,7 @@ def describe_base(name: str, module, kind: str) -> BaseLinear:
     group = (getattr(module, "_tp_group", None) or getattr(module, "tp_group", None)
              or parallel_state.get_tensor_model_parallel_group())
     return BaseLinear(kind, *widths, group, bool(module.sequence_parallel),
-                      normed_input=hasattr(module, "return_layernorm_output"))
+                      normed_input=hasattr(module, "layer_norm_weight"))
 
 
 def _adapted_linears(gpt, targets: tuple[str, ...]) -> Iterator[tuple[str, torch.nn.Module, str]]:

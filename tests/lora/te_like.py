@@ -9,11 +9,9 @@ wrappers pass on (read in ``transformer_engine/pytorch/module/linear.py`` and
   TP > 1), ``weight`` / ``bias``, Megatron's ``_tp_group``;
 * the column layer gathers a sequence-parallel input itself (reduce-scatter backward), the row
   layer all-reduces or reduce-scatters its output;
-* ``LayerNormLinear`` (``TELayerNormColumnParallelLinear``) normalises its input with its own
-  ``layer_norm_weight`` first; with ``return_layernorm_output`` it returns the sequence-local norm
-  output too, as ``((out, ln_out), None)`` through Megatron's wrapper or ``(out, bias, ln_out)``
-  when it returns its bias, and that output's gradient joins the norm input's (which autograd
-  does here by construction). The gathered form is not modelled: LoRA does not ask for it.
+* ``LayerNormLinear`` (``TELayerNormColumnParallelLinear``) normalises its (sequence-local)
+  input with its own ``layer_norm_weight`` first (``normalization``, ``eps``,
+  ``zero_centered_gamma`` say how), then gathers and multiplies.
 
 Built through a GPT layer spec (:func:`te_like_layer_spec`): Megatron's local layer with these in
 the linear slots and no separate pre-attention / pre-MLP norm, as in Megatron's TE spec.
@@ -65,12 +63,10 @@ class TELikeLinear(torch.nn.Module):
             return tensor_parallel.reduce_scatter_to_sequence_parallel_region(y, group=group)
         return tensor_parallel.reduce_from_tensor_model_parallel_region(y, group=group)
 
-    def _returned(self, out: torch.Tensor, ln_out: torch.Tensor | None = None):
+    def _returned(self, out: torch.Tensor):
         if self.bias is not None and not self.te_return_bias:
             out = out + self.bias
-        if ln_out is None:
-            return (out, self.bias) if self.te_return_bias else (out, None)
-        return (out, self.bias, ln_out) if self.te_return_bias else ((out, ln_out), None)
+        return (out, self.bias) if self.te_return_bias else (out, None)
 
     def forward(self, x: torch.Tensor):
         return self._returned(self._linear(x))
@@ -100,15 +96,10 @@ class TELikeLayerNormColumnParallelLinear(TELikeColumnParallelLinear):
     def __init__(self, input_size, output_size, **kwargs):
         super().__init__(input_size, output_size, **kwargs)
         self.layer_norm_weight = torch.nn.Parameter(torch.ones(input_size))
-        self.eps = self.config.layernorm_epsilon
-        self.return_layernorm_output = False
-        self.return_layernorm_output_gathered = False
+        self.normalization, self.eps, self.zero_centered_gamma = "RMSNorm", self.config.layernorm_epsilon, False
 
     def forward(self, x: torch.Tensor):
-        if self.return_layernorm_output_gathered:
-            raise NotImplementedError("the gathered norm output is not modelled by this stand-in")
-        ln_out = F.rms_norm(x, (x.shape[-1],), self.layer_norm_weight, self.eps)
-        return self._returned(self._linear(ln_out), ln_out if self.return_layernorm_output else None)
+        return self._returned(self._linear(F.rms_norm(x, (x.shape[-1],), self.layer_norm_weight, self.eps)))
 
 
 def te_like_layer_spec(cfg, device_type, tcfg, vp_stage=None, impl="auto"):

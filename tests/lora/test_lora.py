@@ -122,7 +122,7 @@ def test_refusals_that_need_a_model(ranks):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_transformer_engine_like_linears_match_local_one_rank(ranks, arch, layout):
     """On linears with Transformer Engine's contract (``te_like``: the layer norms fused into
-    ``linear_qkv`` and ``linear_fc1``, whose adapters read the norm's output the layer returns),
+    ``linear_qkv`` and ``linear_fc1``, whose adapters read the norm's output, computed again),
     at TP = 2 with and without SP: B = 0 and adapters off give the base model exactly, and the
     logits and adapter gradients equal the local layers' at one rank."""
     one, runs = ranks[0][arch], [r[arch][f"te-like-{layout}"] for r in ranks]
@@ -179,15 +179,27 @@ def test_grouped_expert_linears_are_refused_by_name():
         describe_base("decoder.layers.1.mlp.experts.linear_fc1", grouped, "column")
 
 
-def test_base_output_forms():
-    """Megatron's (out, bias); TE's LayerNormLinear with its norm output, through Megatron's
-    wrapper ((out, ln), None) or with its bias returned (out, bias, ln)."""
-    from emapg_megatron.lora.adapters import split_base_output
+@pytest.mark.parametrize("normalization", ("RMSNorm", "LayerNorm"))
+@pytest.mark.parametrize("zero_centered_gamma", (False, True))
+def test_the_fused_norm_output_is_the_norm_transformer_engine_applies(normalization, zero_centered_gamma):
+    """What a TE LayerNormLinear's adapter reads: TE's norm from TE's attributes (a zero-centred
+    gamma stores weight - 1), against torch's own norms, in bf16 through fp32."""
+    from emapg_megatron.lora.adapters import fused_norm_output
 
-    out, bias, ln = torch.ones(1), torch.zeros(1), torch.full((1,), 2.0)
-    assert split_base_output((out, bias), False) == (out, bias, None)
-    assert split_base_output(((out, ln), None), True) == (out, None, ln)
-    assert split_base_output((out, bias, ln), True) == (out, bias, ln)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 2, 16, generator=g).to(torch.bfloat16)
+    gamma, beta = 1 + 0.1 * torch.randn(16, generator=g), 0.1 * torch.randn(16, generator=g)
+    layer = _Stub(normalization=normalization, eps=1e-5, zero_centered_gamma=zero_centered_gamma,
+                  layer_norm_weight=(gamma - float(zero_centered_gamma)).to(torch.bfloat16),
+                  layer_norm_bias=beta.to(torch.bfloat16))
+    ref = (torch.nn.RMSNorm(16, eps=1e-5) if normalization == "RMSNorm" else torch.nn.LayerNorm(16, eps=1e-5))
+    with torch.no_grad():
+        ref.weight.copy_(layer.layer_norm_weight.float() + float(zero_centered_gamma))
+        if normalization == "LayerNorm":
+            ref.bias.copy_(layer.layer_norm_bias.float())
+        expected = ref(x.float()).to(torch.bfloat16)
+    out = fused_norm_output(layer, x)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, expected)
 
 
 @pytest.mark.parametrize("blocks", (1, 2))

@@ -47,6 +47,7 @@ from emapg_megatron.models.gpt import global_param_name, unwrap
 #: Megatron's local linears an adapter wraps, by parallel kind.
 LOCAL_CLASSES = {adapters.COLUMN: ColumnParallelLinear, adapters.ROW: RowParallelLinear}
 
+
 @dataclass(frozen=True)
 class BaseLinear:
     """What an adapter needs of the linear it adapts: ``kind`` (``"column"`` / ``"row"``), the

@@ -22,6 +22,7 @@ by global name; :func:`gathered_adapters` assembles them from a TP-split model.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -88,39 +89,57 @@ def from_peft(state: Mapping[str, torch.Tensor], model_cfg: ModelConfig,
                 raise ConfigError(f"the peft adapter has no {missing[0]} (the model adapts {adapter})")
             used.update(keys[hf])
         a_of = {hf: state[keys[hf][0]] for hf in present}
-        first = a_of[present[0]]
-        shared = len(present) == len(projections) and all(torch.equal(a, first) for a in a_of.values())
-        blocks = [first] if shared else list(a_of.values())
-        for hf, a in zip([present[0]] if shared else present, blocks):
+        for hf, a in a_of.items():
             if a.ndim != 2 or a.shape[1] != width:
                 raise ConfigError(f"the peft adapter's {keys[hf][0]}: shape {tuple(a.shape)}, the model's "
                                   f"input width is {width} (another base model?)")
-        rows = sum(a.shape[0] for a in blocks)
+        blocks, block_of = _distinct(list(a_of.values()))
+        offsets = [sum(b.shape[0] for b in blocks[:i]) for i in range(len(blocks))]
+        rows = sum(b.shape[0] for b in blocks)
         if rows > rank:
             names = ", ".join(p.rsplit(".", 1)[-1] for p in present)
-            own = f"{names} have their own lora_A, {rows} rows in all" if len(blocks) > 1 else f"rank {rows}"
+            own = (f"{names} have {len(blocks)} distinct lora_A, {rows} rows stacked" if len(blocks) > 1
+                   else f"rank {rows}")
             raise ConfigError(f"the peft adapter's {own}: {adapter} needs --lora-rank {rows} at least "
                               f"(this run has {rank}), its alpha scaled alike")
         A = torch.cat([a.float() for a in blocks], 0)
         if rows < rank:
             A = torch.cat([A, initial_A(seed, f"{adapter}.A", rank, width)[rows:]], 0)
-        b_hf, start = {}, 0
+        b_hf = {}
         out_rows = [t.shape[0] for t in codec.to_hf([torch.zeros(b_shape)])]  # each projection's
         for hf, b_rows in zip(projections, out_rows, strict=True):
             b = torch.zeros(b_rows, rank)
-            if hf in a_of:
+            if hf in a_of:  # its B in the columns of its A's block
                 given, r = state[keys[hf][1]], a_of[hf].shape[0]
                 if tuple(given.shape) != (b_rows, r):
                     raise ConfigError(f"the peft adapter's {keys[hf][1]}: shape {tuple(given.shape)}, not "
                                       f"{(b_rows, r)} (the model's output rows, its lora_A's rank)")
+                start = offsets[block_of[present.index(hf)]]
                 b[:, start:start + r] = given.float()
-                start += 0 if shared else r
             b_hf[f"{hf}.weight"] = b
         out[f"{adapter}.A"] = A
         out[f"{adapter}.B"] = codec.to_megatron(lambda n, index: b_hf[n][index or ()],
                                                 list(b_hf), 0, 1, b_shape).float().clone()
     _refuse_unadapted(set(state) - used)
     return out
+
+
+def _digest(a: torch.Tensor) -> tuple:
+    """What makes two lora_A tensors the same A: shape, dtype and bytes."""
+    return tuple(a.shape), str(a.dtype), hashlib.sha256(a.contiguous().view(torch.uint8).numpy()).hexdigest()
+
+
+def _distinct(a_list: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[int]]:
+    """The distinct A among one layer's projections' (first-seen order) and, for each
+    projection, which of them is its A: stacked, they are the layer's A."""
+    seen, blocks, block_of = {}, [], []
+    for a in a_list:
+        key = _digest(a)
+        if key not in seen:
+            seen[key] = len(blocks)
+            blocks.append(a)
+        block_of.append(seen[key])
+    return blocks, block_of
 
 
 def _refuse_unadapted(extra: set[str]) -> None:
@@ -238,7 +257,7 @@ def rank_needed(adapter_dir: str | Path) -> int:
     """The smallest run rank a peft LoRA folder loads into (:func:`from_peft`): the largest count of
     A rows one Megatron layer takes, its projections' A stacked where they differ (q_proj, k_proj
     and v_proj of one layer each with its own rank-r A need 3r) and counted once where shared.
-    Reads the folder's A tensors only (safetensors)."""
+    Reads the folder's A tensors only (safetensors), one at a time."""
     from safetensors import SafetensorError, safe_open
 
     from emapg_megatron.checkpoint.safe_load import checked_file, first_line
@@ -249,24 +268,19 @@ def rank_needed(adapter_dir: str | Path) -> int:
         raise ConfigError(f"{adapter_dir}: no {WEIGHTS_FILE} (peft's safetensors weights; a .bin is "
                           "never unpickled)")
     checked_file(str(weights), str(adapter_dir))
-    layers: dict[tuple[str, str], list[torch.Tensor]] = {}
+    rows: dict[tuple[str, str], dict[tuple, int]] = {}  # (module, Megatron layer) -> distinct A -> rows
     try:
         with safe_open(str(weights), framework="pt") as handle:
             for key in handle.keys():  # noqa: SIM118
                 module, _, tail = key.rpartition(".lora_A.")
                 parent, _, projection = module.rpartition(".")
                 if tail == "weight" and projection in HF_TARGETS:
-                    layers.setdefault((parent, HF_TARGETS[projection]), []).append(handle.get_tensor(key))
+                    a = handle.get_tensor(key)  # one at a time: only digests are kept
+                    if a.ndim == 2:
+                        rows.setdefault((parent, HF_TARGETS[projection]), {})[_digest(a)] = a.shape[0]
     except (SafetensorError, OSError) as e:
         raise ConfigError(f"corrupt safetensors file {weights}: {first_line(e)}") from None
-    needed = 0
-    for a_list in layers.values():
-        distinct = []
-        for a in a_list:
-            if not any(a.shape == d.shape and torch.equal(a, d) for d in distinct):
-                distinct.append(a)
-        needed = max(needed, sum(a.shape[0] for a in distinct if a.ndim == 2))
-    return needed
+    return max((sum(layer.values()) for layer in rows.values()), default=0)
 
 
 @torch.no_grad()

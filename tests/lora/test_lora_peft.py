@@ -76,8 +76,8 @@ V_B = "base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight"
 
 @pytest.mark.parametrize("config, state, message", [
     (None, lambda s: s.__setitem__(Q_A, s[Q_A] + 1),
-     "q_proj, k_proj, v_proj have their own lora_A, 12 rows in all: decoder.layers.0.self_attention.linear_qkv.lora "
-     "needs --lora-rank 12 at least (this run has 4)"),
+     "q_proj, k_proj, v_proj have 2 distinct lora_A, 8 rows stacked: decoder.layers.0.self_attention.linear_qkv.lora "
+     "needs --lora-rank 8 at least (this run has 4)"),
     (None, lambda s: s.__setitem__(V_B, s[V_B][:, :2].contiguous()), V_B + ": shape (32, 2), not (32, 4)"),
     (None, lambda s: s.__setitem__(V_B, torch.zeros(32, 5)), "adapter shapes do not fit this model's"),
     (None, lambda s: s.pop(V_B), "the peft adapter has no " + V_B),
@@ -153,3 +153,21 @@ def test_an_adapter_peft_made_loads_exactly(exported, tmp_path, targets, megatro
     if "k_proj" not in targets:  # per query group [q heads, k, v]: the k rows (16 per group) are zero
         groups = B.reshape(2, -1, rank)  # 2 query groups
         assert not groups[:, 32:48].any() and groups[:, :32].any() and groups[:, 48:].any()
+
+
+def test_a_projection_left_out_loads_as_zero_rows_of_b_with_the_shared_a(exported, tmp_path):
+    """Our export without layer 0's k_proj: q and v still share one A (rank 4, not stacked), and
+    the k rows of linear_qkv's B are zero."""
+    from emapg_megatron.checkpoint.hf_config import model_config_from_hf, read_hf_config
+    from emapg_megatron.checkpoint.peft_format import load_peft, rank_needed
+
+    k = "base_model.model.model.layers.0.self_attn.k_proj.lora_{}.weight"
+    folder = _copy(exported, tmp_path, change_state=lambda s: [s.pop(k.format(m)) for m in "AB"])
+    assert rank_needed(folder) == 4
+    cfg, _ = model_config_from_hf(read_hf_config(exported["hf"]))
+    _, back = load_peft(folder, cfg, exported["one"]["shapes"])
+    qkv, one = "decoder.layers.0.self_attention.linear_qkv.lora", exported["one"]["adapters"]
+    assert torch.equal(back[f"{qkv}.A"], one[f"{qkv}.A"])
+    groups, full = back[f"{qkv}.B"].reshape(2, 64, 4), one[f"{qkv}.B"].reshape(2, 64, 4)  # [q 32, k 16, v 16]
+    assert not groups[:, 32:48].any()
+    assert torch.equal(groups[:, :32], full[:, :32]) and torch.equal(groups[:, 48:], full[:, 48:])

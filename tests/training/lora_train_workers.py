@@ -136,7 +136,7 @@ def lora_save_and_continue(argv: list, ckpt: str, saved_at: int, steps: int, ada
     from emapg_megatron import build
     from emapg_megatron.run import loop
 
-    inputs = build.prepare(argv)
+    inputs = build.prepare([*argv, "--save", ckpt])  # a run that saves: its base is hashed and recorded
     trainer = build.build_trainer(inputs)
     if not adapters_only:
         trainer.state.lora_base = None
@@ -151,11 +151,12 @@ def lora_save_and_continue(argv: list, ckpt: str, saved_at: int, steps: int, ada
 
 
 def lora_resume(argv: list, ckpt: str, steps: int) -> dict:
-    """Resume ``ckpt`` (``run.loop.resume``) and take the steps after it up to ``steps``."""
+    """Resume ``ckpt`` (``run.loop.resume``, ``--load ckpt`` added to ``argv`` when it has none)
+    and take the steps after it up to ``steps``."""
     from emapg_megatron import build
     from emapg_megatron.run import loop
 
-    inputs = build.prepare(argv)
+    inputs = build.prepare(argv if "--load" in argv else [*argv, "--load", ckpt])
     trainer = build.build_trainer(inputs)
     start = loop.resume(ckpt, trainer.state)
     resumed = _named(trainer.model_chunks)

@@ -443,9 +443,13 @@ def test_a_peft_init_it_cannot_continue_is_one_line_before_any_work(tmp_path, co
     assert _dry_run("--lora-peft-init", str(tmp_path), *extra) == (2, "error: " + line.format(d=tmp_path))
 
 
+FP8_SHAPES = ["--make-vocab-size-divisible-by", "32"]  # every GEMM dimension a multiple of 16 at TP = 2
+
+
 @pytest.mark.parametrize("extra", [["--transformer-impl", "transformer_engine"],
-                                   ["--bf16", "--fp8-format", "e4m3", "--transformer-impl", "transformer_engine"],
-                                   ["--bf16", "--fp8-format", "hybrid"]])
+                                   ["--bf16", "--fp8-format", "e4m3", "--transformer-impl", "transformer_engine",
+                                    *FP8_SHAPES],
+                                   ["--bf16", "--fp8-format", "hybrid", *FP8_SHAPES]])
 def test_lora_on_transformer_engine_and_fp8_passes_the_checks_a_cpu_can_make(extra):
     """Adapters go on Transformer Engine's linears (docs/lora.md), so LoRA no longer refuses TE or
     FP8; what needs a GPU is checked when the run starts on one."""

@@ -310,6 +310,32 @@ def test_a_lora_checkpoint_exports_to_peft_and_training_continues_from_it(hf_mod
     assert out["metrics"][0]["kl"] == 0 and out["metrics"][0]["ema_lag"] > 0  # the EMA starts from them
 
 
+def test_a_run_continues_from_an_adapter_peft_made(hf_models, tmp_path):
+    """An adapter made by peft itself (each of the seven projections its own A, rank 2, alpha 4)
+    starts a run at --lora-rank 6 --lora-alpha 12 (stacked, the same scale): the run's first logits
+    are peft's on the HF base, its first step's KL to the anchor is 0, and it trains."""
+    import peft
+    import transformers
+
+    hf = hf_models["qwen2-tied-gqa-bias"]
+    torch.manual_seed(4)
+    made = peft.get_peft_model(
+        transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32),
+        peft.LoraConfig(r=2, lora_alpha=4, init_lora_weights=False, target_modules=[
+            "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    folder = str(tmp_path / "peft")
+    made.save_pretrained(folder)
+    tokens = (torch.arange(16).view(2, 8) * 7 + 3) % 16  # lora_train_workers._local_logits' batch
+    with torch.no_grad():
+        expected = made.eval()(tokens).logits.float()
+    (out,) = run_distributed(continue_from_peft, 1, timeout=300, args=(
+        [*argv(hf), "--lora-peft-init", folder, "--lora-rank", "6", "--lora-alpha", "12"], 2))
+    ours = out["logits"][..., :16]
+    assert (expected - ours).abs().max() <= 1e-4 * ours.abs().max()
+    assert out["metrics"][0]["kl"] == 0 and all(math.isfinite(m["pg_loss"]) for m in out["metrics"])
+    assert out["metrics"][1]["kl"] != 0  # it trained
+
+
 def test_a_lora_checkpoint_holds_the_adapters_and_names_its_base(hf_models, saved, one_rank):
     """The base came from --load-hf: the checkpoint's model, optimizer and EMA entries are the
     adapters' alone, their bytes what tools/lora_memory.py counts, and its common state names the

@@ -214,20 +214,29 @@ def _number(x) -> bool:
     return type(x) in (int, float) and math.isfinite(x)
 
 
+def _weights_file(adapter_dir: str | Path) -> Path:
+    """The folder's ``adapter_model.safetensors``: there, a regular file inside the folder (not a
+    link out of it, not a pipe); a ``.bin`` is never read."""
+    from emapg_megatron.checkpoint.safe_load import checked_file
+
+    weights = Path(adapter_dir) / WEIGHTS_FILE
+    if not os.path.lexists(weights):
+        raise ConfigError(f"{adapter_dir}: no {WEIGHTS_FILE} (peft's safetensors weights; a .bin is "
+                          "never unpickled)")
+    checked_file(str(weights), str(adapter_dir))
+    return weights
+
+
 def load_peft(adapter_dir: str | Path, model_cfg: ModelConfig, shapes: Mapping[str, tuple[int, ...]],
               seed: int = 0) -> tuple[LoRAConfig, dict[str, torch.Tensor]]:
     """A peft LoRA folder's config and whole adapter matrices for a model holding ``shapes``
     (:func:`from_peft`; safetensors only: nothing in the folder is unpickled)."""
     from safetensors import SafetensorError, safe_open
 
-    from emapg_megatron.checkpoint.safe_load import checked_file, first_line
+    from emapg_megatron.checkpoint.safe_load import first_line
 
     cfg = read_peft_config(adapter_dir)
-    weights = Path(adapter_dir) / WEIGHTS_FILE
-    if not os.path.lexists(weights):
-        raise ConfigError(f"{adapter_dir}: no {WEIGHTS_FILE} (peft's safetensors weights; a .bin is "
-                          "never unpickled)")
-    checked_file(str(weights), str(adapter_dir))  # a regular file inside the folder, not a pipe
+    weights = _weights_file(adapter_dir)
     # what the model's adapters look like in peft's names: every shape checked before a read (a
     # peft rank up to the model's: lora_A [r, in], lora_B [out, r], r <= R)
     expected = {k: tuple(v.shape) for k, v in
@@ -260,14 +269,10 @@ def rank_needed(adapter_dir: str | Path) -> int:
     Reads the folder's A tensors only (safetensors), one at a time."""
     from safetensors import SafetensorError, safe_open
 
-    from emapg_megatron.checkpoint.safe_load import checked_file, first_line
+    from emapg_megatron.checkpoint.safe_load import first_line
     from emapg_megatron.lora.config import HF_TARGETS
 
-    weights = Path(adapter_dir) / WEIGHTS_FILE
-    if not os.path.lexists(weights):
-        raise ConfigError(f"{adapter_dir}: no {WEIGHTS_FILE} (peft's safetensors weights; a .bin is "
-                          "never unpickled)")
-    checked_file(str(weights), str(adapter_dir))
+    weights = _weights_file(adapter_dir)
     rows: dict[tuple[str, str], dict[tuple, int]] = {}  # (module, Megatron layer) -> distinct A -> rows
     try:
         with safe_open(str(weights), framework="pt") as handle:

@@ -379,20 +379,28 @@ def saved_lora_base(checkpoint) -> BaseRecord | None:
     return None if entry is None else BaseRecord.from_dict(entry, checkpoint.common_where)
 
 
+def _verified_keys(path: str):
+    """The checkpoint ``path`` verified on every rank and the keys of its tensors (metadata
+    only): megatron unpickles .metadata, so nothing in it may run before it is checked."""
+    checkpoint = verify_on_every_rank(path)
+    return checkpoint, list(dist_checkpointing.load_tensors_metadata(path))
+
+
+def _holds_base(keys) -> bool:
+    return any(key.startswith(MODEL_KEY_PREFIXES) and not is_adapter_name(key) for key in keys)
+
+
 def holds_base_weights(path: str) -> bool:
     """Whether the checkpoint ``path`` holds model weights other than LoRA's adapters (metadata
     only): every checkpoint but an adapters-only one of a LoRA run."""
-    verify_on_every_rank(path)  # megatron unpickles .metadata: nothing in it may run
-    return any(key.startswith(MODEL_KEY_PREFIXES) and not is_adapter_name(key)
-               for key in dist_checkpointing.load_tensors_metadata(path))
+    return _holds_base(_verified_keys(path)[1])
 
 
 def check_same_model(path: str, lora: bool) -> None:
     """Before anything is loaded (metadata only), one line on every rank for a LoRA run's
     checkpoint (adapters ``<linear>.lora.A`` / ``.lora.B``, docs/lora.md) in a run without LoRA or
     the other way round: their optimizer and EMA states cover other parameters."""
-    verify_on_every_rank(path)  # megatron unpickles .metadata: nothing in it may run
-    before = any(is_adapter_name(key) for key in dist_checkpointing.load_tensors_metadata(path))
+    before = any(is_adapter_name(key) for key in _verified_keys(path)[1])
     if before != lora:
         was, is_ = ("with", "without") if before else ("without", "with")
         raise agreed(ConfigError(f"--load {path}: the checkpoint was saved {was} LoRA adapters and this "
@@ -403,10 +411,10 @@ def check_lora_base(path: str, base: BaseRecord | None) -> None:
     """A LoRA run's checkpoint against this run's base (``base``: its files' record; None when the
     checkpoint holds the base weights, which are then read from it, or the run has no base from
     files): an adapters-only checkpoint needs the base it records, one line on every rank
-    otherwise (metadata only)."""
-    checkpoint = verify_on_every_rank(path)
+    otherwise (metadata only, read once)."""
+    checkpoint, keys = _verified_keys(path)
     saved = saved_lora_base(checkpoint)
-    if holds_base_weights(path):
+    if _holds_base(keys):
         return  # the checkpoint's own base weights are loaded with its adapters
     if saved is None:
         raise agreed(ConfigError(f"corrupt checkpoint {path}: it holds LoRA adapters but neither base "

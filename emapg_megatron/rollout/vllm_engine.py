@@ -220,12 +220,12 @@ def _start_llm(vllm, kwargs: dict):
     try:
         return vllm.LLM(**kwargs)
     except TypeError as e:
-        option = next((flag for key, flag in _OPTION_KWARGS.items() if key in kwargs and key in str(e)), None)
+        key, option = next(((k, flag) for k, flag in _OPTION_KWARGS.items() if k in kwargs and k in str(e)),
+                           (None, None))
         if option is None:
             raise
         raise ConfigError(f"{option} with --rollout-engine vllm: this vLLM ({getattr(vllm, '__version__', '?')}) "
-                          f"does not take LLM({next(k for k in _OPTION_KWARGS if k in str(e))}=...): "
-                          f"use a vLLM that does, or drop {option}") from None
+                          f"does not take LLM({key}=...): use a vLLM that does, or drop {option}") from None
 
 
 # --- keeping a model-parallel group on one batch ----------------------------------------

@@ -131,20 +131,40 @@ def _context(device: str):
     return ctx
 
 
+#: Launches tried when rank 0 finds the rendezvous port taken: :func:`free_port` closes the port
+#: it found before rank 0 binds it, and another process (a suite beside this one) may take it.
+PORT_TRIES = 3
+
+
 def run_distributed(fn, world_size: int = 2, *, tp: int = 1, pp: int = 1, ep: int = 1, args: tuple = (),
                     timeout: float = 300.0, device: str = "cpu", seed: int = 1234) -> list:
     """Run ``fn(*args)`` on ``world_size`` ranks (``ep``: expert-parallel size); return the
     results in rank order.
 
-    ``fn`` must be importable (a module-level function): the ranks import it by name.
+    ``fn`` must be importable (a module-level function): the ranks import it by name. A launch
+    whose rendezvous port was taken meanwhile (before any rank ran ``fn``) starts again on another.
     """
     cfg = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                          expert_model_parallel_size=ep, device=device)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_rank(world_size)))
+    for attempt in range(1, PORT_TRIES + 1):
+        try:
+            return _launch(fn, args, world_size, cfg, timeout, device, seed, free_port())
+        except RankError as e:
+            if attempt == PORT_TRIES or not _port_taken(str(e)):
+                raise
+
+
+def _port_taken(error: str) -> bool:
+    """Whether a rank failed creating the rendezvous store on a port in use."""
+    return "EADDRINUSE" in error and "init_process_group" in error
+
+
+def _launch(fn, args: tuple, world_size: int, cfg: ParallelConfig, timeout: float, device: str, seed: int,
+            port: int) -> list:
     ctx = _context(device)
     call = pickle.dumps((fn, args))
     results = ctx.Queue()
-    port = free_port()
     procs = [
         ctx.Process(target=_worker, args=(r, world_size, port, cfg, seed, dict(os.environ), call, results))
         for r in range(world_size)

@@ -70,6 +70,35 @@ def test_ranks_take_the_callers_environment_path_and_directory_at_the_call(tmp_p
     sys.modules.pop("late_rank_module", None)
 
 
+def test_a_rendezvous_port_taken_meanwhile_starts_the_launch_again_on_another(monkeypatch):
+    """free_port's port is free when found, not when rank 0 binds it: a suite beside this one may
+    take it. The launch starts again on another port; once PORT_TRIES ports were taken, it fails."""
+    import socket
+
+    from emapg_megatron import multiprocess
+
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()  # what a TCPStore of another run holds
+    taken, found = held.getsockname()[1], []
+    real = multiprocess.free_port
+
+    def first_taken():
+        found.append(taken if not found else real())
+        return found[-1]
+
+    try:
+        monkeypatch.setattr(multiprocess, "free_port", first_taken)
+        assert run_distributed(dist.get_rank, 2, timeout=60) == [0, 1]
+        assert found[0] == taken and len(found) == 2
+        monkeypatch.setattr(multiprocess, "free_port", lambda: taken)
+        monkeypatch.setattr(multiprocess, "PORT_TRIES", 1)  # each failed launch waits out its peers
+        with pytest.raises(RankError, match="EADDRINUSE"):
+            run_distributed(dist.get_rank, 2, timeout=60)
+    finally:
+        held.close()
+
+
 def test_a_failing_rank_raises_with_its_traceback():
     with pytest.raises(RankError, match=r"rank 1 failed:(.|\n)*ValueError: rank 1 refuses"):
         run_distributed(_fail_on_rank_1, 2)
